@@ -1,0 +1,55 @@
+"""Exceptions raised by the outbox library.
+
+Every error raised for bad input is raised *before* anything is written, so
+the caller's transaction is still usable and nothing is half-written.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Base class of every error the outbox library raises on purpose."""
+
+
+class InvalidMessage(OutboxError, ValueError):
+    """An argument of ``enqueue`` cannot become a Kafka record."""
+
+
+class InvalidTopic(InvalidMessage):
+    """The topic name is empty, too long, or has characters Kafka refuses."""
+
+
+class InvalidKey(InvalidMessage):
+    """The key is neither bytes nor str."""
+
+
+class InvalidValue(InvalidMessage):
+    """The value is neither bytes, str nor JSON-serialisable."""
+
+
+class InvalidHeaders(InvalidMessage):
+    """Headers are not a mapping or list of str names to bytes/str values."""
+
+
+class ValueTooLarge(InvalidMessage):
+    """The encoded value is larger than the configured maximum."""
+
+
+class InvalidIdempotencyKey(InvalidMessage):
+    """The idempotency key is not a non-empty str."""
+
+
+class ConnectionNotSupported(OutboxError, TypeError):
+    """``conn`` is not a SQLAlchemy Session/Connection or a psycopg 3 Connection."""
+
+
+class NoOpenTransaction(OutboxError):
+    """The connection would commit the intent on its own (autocommit, no transaction)."""
+
+
+class TransactionAborted(OutboxError):
+    """The caller's transaction has already failed; it must be rolled back first."""
+
+
+class MigrationError(OutboxError):
+    """The schema migrations are missing, malformed or newer than this library."""

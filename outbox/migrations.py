@@ -1,0 +1,112 @@
+"""Numbered SQL migrations and ``outbox migrate``.
+
+Migrations are the files ``schema/NNNN_name.sql`` (shipped in the wheel as
+``outbox/schema``). ``migrate`` applies the missing ones in order, each in
+its own transaction together with its row in ``outbox.schema_migrations``.
+A transaction-scoped advisory lock serialises concurrent runs, so running
+it repeatedly or from several processes at once is safe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from outbox.errors import MigrationError
+
+_FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+#: Key of the advisory lock held while migrating (the text 'outbox.migrate' hashed by hand).
+MIGRATION_LOCK_KEY = 0x6F7574626F78
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One numbered SQL file."""
+
+    version: int
+    name: str
+    sql: str
+
+
+def schema_dir() -> Traversable:
+    """Where the migrations are: inside the installed package, else the source tree."""
+    packaged = resources.files("outbox").joinpath("schema")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "schema"
+
+
+def load_migrations(directory: Traversable | None = None) -> list[Migration]:
+    """Read every migration file, ordered by version; reject gaps and stray names."""
+    directory = directory or schema_dir()
+    migrations = []
+    for entry in directory.iterdir():
+        if not entry.name.endswith(".sql"):
+            continue
+        match = _FILE_RE.match(entry.name)
+        if not match:
+            raise MigrationError(f"migration file {entry.name!r} is not named NNNN_name.sql")
+        migrations.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    migrations.sort(key=lambda m: m.version)
+    for expected, m in enumerate(migrations, start=1):
+        if m.version != expected:
+            raise MigrationError(f"migration {expected:04d} is missing (found {m.version:04d})")
+    if not migrations:
+        raise MigrationError(f"no migrations found in {directory}")
+    return migrations
+
+
+_BOOKKEEPING = """
+CREATE SCHEMA IF NOT EXISTS outbox;
+CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
+    version     integer PRIMARY KEY,
+    name        text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
+    """Versions recorded in ``outbox.schema_migrations`` (empty before the first run)."""
+    row = conn.execute("SELECT to_regclass('outbox.schema_migrations')").fetchone()
+    if row is None or row[0] is None:
+        return set()
+    return {v for (v,) in conn.execute("SELECT version FROM outbox.schema_migrations")}
+
+
+def migrate(conninfo: str) -> list[Migration]:
+    """Apply the migrations not yet applied; return those this call applied."""
+    migrations = load_migrations()
+    applied: list[Migration] = []
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        for migration in migrations:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+                conn.execute(_BOOKKEEPING)
+                done = applied_versions(conn)
+                newest_known = migrations[-1].version
+                if done and max(done) > newest_known:
+                    raise MigrationError(
+                        f"the database is at schema version {max(done)}, newer than this "
+                        f"library's {newest_known}; upgrade the library"
+                    )
+                if migration.version in done:
+                    continue
+                conn.execute(migration.sql.encode())
+                conn.execute(
+                    "INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)",
+                    (migration.version, migration.name),
+                )
+                applied.append(migration)
+    return applied
+
+
+def current_version(conn: psycopg.Connection[Any]) -> int:
+    """The highest applied schema version, 0 for a database never migrated."""
+    return max(applied_versions(conn), default=0)

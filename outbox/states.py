@@ -1,0 +1,22 @@
+"""The states a message moves through (see docs/design.md for the transitions)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """A message's state, as stored in ``outbox.messages.state``."""
+
+    #: Committed intent, not owned by any publisher; claimable from ``available_at``.
+    PENDING = "pending"
+    #: Owned by one publisher under a lease (``lease_owner``, ``lease_expires_at``, ``fence``).
+    IN_FLIGHT = "in_flight"
+    #: The broker acknowledged it; ``kafka_partition`` and ``kafka_offset`` say where it is.
+    DELIVERED = "delivered"
+    #: A send may have reached the broker but no confirmation was stored; never resent blindly.
+    UNCERTAIN = "uncertain"
+    #: Cannot be delivered as it is (the broker refused it); waits for an operator.
+    QUARANTINED = "quarantined"
+    #: An operator decided it will not be delivered.
+    DISCARDED = "discarded"

@@ -1,0 +1,5 @@
+"""The outbox publisher: a sidecar process that delivers committed intents to Kafka.
+
+Run it as ``outbox-publisher``; see ``publisher.cli`` for its settings and
+``publisher.loop`` for the state machine of one batch.
+"""

@@ -1,0 +1,101 @@
+"""Classifying a send's outcome, and what each outcome does to the message.
+
+The question for every record is not "did it fail?" but "could it have been
+written?". Only a failure that proves the record never reached the broker
+may be retried; anything that leaves the question open is ``UNCERTAIN`` and
+is decided later from evidence, never by resending blindly.
+"""
+
+from __future__ import annotations
+
+import random
+from enum import Enum
+
+from kafka import errors as kafka_errors
+
+from outbox.states import State
+
+
+class SendOutcome(Enum):
+    """What is known about one record after the producer reported on it."""
+
+    #: The broker acknowledged it at a partition and offset.
+    CONFIRMED = "confirmed"
+    #: It provably never reached the broker; sending it again is safe.
+    NOT_WRITTEN = "not_written"
+    #: It may or may not be in the log.
+    UNCERTAIN = "uncertain"
+    #: The broker (or the producer, before sending) refused its content; resending cannot help.
+    NON_RETRIABLE = "non_retriable"
+
+
+#: The message state each outcome moves a message to.
+NEXT_STATE: dict[SendOutcome, State] = {
+    SendOutcome.CONFIRMED: State.DELIVERED,
+    SendOutcome.NOT_WRITTEN: State.PENDING,
+    SendOutcome.UNCERTAIN: State.UNCERTAIN,
+    SendOutcome.NON_RETRIABLE: State.QUARANTINED,
+}
+
+#: The attempt outcome recorded in ``outbox.attempts`` for each send outcome.
+ATTEMPT_OUTCOME: dict[SendOutcome, str] = {
+    SendOutcome.CONFIRMED: "delivered",
+    SendOutcome.NOT_WRITTEN: "failed",
+    SendOutcome.UNCERTAIN: "uncertain",
+    SendOutcome.NON_RETRIABLE: "failed",
+}
+
+# Errors that say the content itself is unacceptable. Returned for a record
+# that the broker rejected as a whole, they also prove it was not appended.
+_CONTENT_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.CorruptRecordError,
+    kafka_errors.InvalidRecordError,
+    kafka_errors.InvalidTimestampError,
+    kafka_errors.UnsupportedForMessageFormatError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.PolicyViolationError,
+)
+
+
+def classify(error: BaseException | None, *, handed_to_producer: bool) -> SendOutcome:
+    """Classify one record's outcome.
+
+    ``error`` is ``None`` when the broker confirmed the record.
+    ``handed_to_producer`` says whether ``send()`` accepted the record into the
+    producer's buffer: if it raised (or the record never got that far), the
+    record cannot have been written, whatever the error says.
+    """
+    if error is None:
+        return SendOutcome.CONFIRMED
+    if isinstance(error, (*_CONTENT_ERRORS, TypeError, ValueError)):
+        # A deterministic refusal: before sending (record larger than
+        # max_request_size, a value the producer cannot encode) or by the broker.
+        return SendOutcome.NON_RETRIABLE
+    if not handed_to_producer:
+        # Metadata timeout, buffer full (max_block_ms), closed producer: the
+        # record never left this process.
+        return SendOutcome.NOT_WRITTEN
+    # Once handed over, everything else leaves the question open: expired
+    # batches (kafka-python cannot tell "expired before send" from "expired in
+    # flight"), request timeouts, lost connections, NotEnoughReplicasAfterAppend,
+    # sequence and producer-id errors, a forced close, anything unexpected.
+    return SendOutcome.UNCERTAIN
+
+
+def retry_delay(
+    attempt: int,
+    *,
+    base_seconds: float = 0.5,
+    cap_seconds: float = 60.0,
+    rng: random.Random | None = None,
+) -> float:
+    """Seconds to wait before retrying a message that failed ``attempt`` times.
+
+    Exponential backoff with full jitter: uniform in ``[0, min(cap, base * 2**(attempt-1))]``,
+    so that many publishers retrying at once spread out instead of colliding.
+    """
+    ceiling = min(cap_seconds, base_seconds * 2 ** max(attempt - 1, 0))
+    return (rng or random).uniform(0, ceiling)

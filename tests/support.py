@@ -1,0 +1,119 @@
+"""Helpers for tests against the real services: topics, consuming, waiting."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import psycopg
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
+
+from publisher.cli import build_publisher
+from publisher.config import PublisherConfig
+from publisher.loop import Totals
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], *, timeout: float, interval: float = 0.05,
+               what: str = "condition") -> T:
+    """Return the first truthy value of ``condition()``; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
+    """Create a topic and wait until its partitions have leaders."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+    finally:
+        admin.close()
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        wait_until(lambda: consumer.partitions_for_topic(name), timeout=30,
+                   what=f"topic {name} metadata")
+    finally:
+        consumer.close()
+
+
+@dataclass(frozen=True)
+class ConsumedRecord:
+    """A record read back from Kafka, headers as a dict of lists."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+    def header(self, name: str) -> bytes | None:
+        """The last value of header ``name``, or ``None``."""
+        values = [v for k, v in self.headers if k == name]
+        return values[-1] if values else None
+
+    @property
+    def outbox_id(self) -> uuid.UUID:
+        """The message id the publisher put in the ``outbox-id`` header."""
+        value = self.header("outbox-id")
+        assert value is not None, "record without an outbox-id header"
+        return uuid.UUID(value.decode())
+
+
+def read_topic(bootstrap: str, topic: str, *, timeout: float = 10.0) -> list[ConsumedRecord]:
+    """Read every record of ``topic`` from the start to the current end offsets."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                             group_id=None)
+    try:
+        partitions = wait_until(lambda: consumer.partitions_for_topic(topic), timeout=timeout,
+                                what=f"topic {topic} metadata")
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        records: list[ConsumedRecord] = []
+        deadline = time.monotonic() + timeout
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out reading {topic} up to {end}")
+            for batch in consumer.poll(timeout_ms=200).values():
+                records.extend(
+                    ConsumedRecord(r.partition, r.offset, r.key, r.value, list(r.headers))
+                    for r in batch
+                )
+        return records
+    finally:
+        consumer.close()
+
+
+def publisher_config(database_url: str, kafka_bootstrap: str, **overrides: Any) -> PublisherConfig:
+    """A publisher config for tests: small polls, exits when idle."""
+    base = PublisherConfig(
+        database_url=database_url, kafka_bootstrap=kafka_bootstrap, exit_when_idle=True,
+        poll_interval=0.2,
+    )
+    return replace(base, **overrides)
+
+
+def publish_until_idle(database_url: str, kafka_bootstrap: str, **overrides: Any) -> Totals:
+    """Run a real publisher in this process until nothing is pending."""
+    return build_publisher(publisher_config(database_url, kafka_bootstrap, **overrides)).run()
+
+
+def count_by_state(database_url: str) -> dict[str, int]:
+    """Message counts by state (states with no message are left out)."""
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            "SELECT state, count(*) FROM outbox.messages GROUP BY state"
+        ).fetchall()
+    return {state: count for state, count in rows}
