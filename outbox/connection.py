@@ -9,7 +9,7 @@ Nothing here begins, commits or rolls back a transaction.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import psycopg
@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session
 
 from outbox.errors import ConnectionNotSupported, NoOpenTransaction, TransactionAborted
 
-Params = Sequence[Any] | Mapping[str, Any]
+# A tuple, not a list: SQLAlchemy reads a list of parameters as "execute many".
+Params = tuple[Any, ...] | Mapping[str, Any]
 
 
 class Executor(Protocol):

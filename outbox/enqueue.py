@@ -107,7 +107,7 @@ def _insert(executor: Executor, intents: Sequence[Intent]) -> list[uuid.UUID]:
         params.extend(
             (i.id, i.topic, i.key, i.value, i.header_names, i.header_values, i.idempotency_key)
         )
-    inserted = {row[0] for row in executor.fetchall(sql, params)}
+    inserted = {row[0] for row in executor.fetchall(sql, tuple(params))}
     if len(inserted) == len(intents):
         return [i.id for i in intents]
     # Some keys were taken. This second statement runs with a fresh snapshot

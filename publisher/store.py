@@ -137,7 +137,7 @@ class PublisherStore:
                 "outcomes": [s.attempt_outcome for s in settlements],
                 "partitions": [s.partition for s in settlements],
                 "offsets": [s.offset for s in settlements],
-                "retry_after": [s.retry_after for s in settlements],
+                "retry_after": [float(s.retry_after) for s in settlements],
                 "errors": [s.error for s in settlements],
                 "send_began": [s.send_began for s in settlements],
                 "publisher": self.publisher_id,

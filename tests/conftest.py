@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -84,9 +85,8 @@ def services() -> Iterator[Services]:
 
 
 def _with_database(url: str, name: str) -> str:
-    info = psycopg.conninfo.conninfo_to_dict(url)
-    info["dbname"] = name
-    return psycopg.conninfo.make_conninfo(**info)
+    """The same server URL, naming another database."""
+    return urlsplit(url)._replace(path=f"/{name}").geturl()
 
 
 def _admin(services: Services) -> psycopg.Connection[tuple[object, ...]]:

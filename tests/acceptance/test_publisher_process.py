@@ -1,0 +1,117 @@
+"""The real ``outbox-publisher`` console script, run as a separate process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import outbox
+from tests.support import count_by_state, read_topic, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+SCRIPT = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
+
+
+def _start(database_url: str, kafka_bootstrap: str, *flags: str) -> subprocess.Popen[str]:
+    assert SCRIPT is not None, "outbox-publisher is not installed next to this Python"
+    env = {**os.environ, "OUTBOX_DATABASE_URL": database_url,
+           "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap}
+    return subprocess.Popen(
+        [SCRIPT, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """SIGTERM mid-run: exit 0, no row in_flight, every sent record confirmed exactly once."""
+    total = 20_000
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 50}") for i in range(total)]
+        )
+    process = _start(database_url, kafka_bootstrap, "--batch-size", "200")
+    try:
+        wait_until(lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
+                   timeout=60, what="the publisher to deliver its first batches")
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "SIGTERM received" in stderr
+    assert "stopped:" in stderr
+
+    counts = count_by_state(database_url)
+    assert "in_flight" not in counts
+    assert counts.get("delivered", 0) + counts.get("pending", 0) == total
+    assert 1_000 <= counts["delivered"] < total, "stopped before the end of the backlog"
+    with psycopg.connect(database_url) as conn:
+        stopped = conn.execute(
+            "SELECT count(*) FILTER (WHERE stopped_at IS NOT NULL), count(*) "
+            "FROM outbox.publishers"
+        ).fetchone()
+    assert stopped == (1, 1)
+
+    # Everything it confirmed is in Kafka exactly once, at the stored offset.
+    records = read_topic(kafka_bootstrap, topic)
+    with psycopg.connect(database_url) as conn:
+        stored = {
+            mid: (p, o) for mid, p, o in conn.execute(
+                "SELECT id, kafka_partition, kafka_offset FROM outbox.messages "
+                "WHERE state = 'delivered'"
+            )
+        }
+    assert len(records) == len(stored)
+    assert {r.outbox_id: (r.partition, r.offset) for r in records} == stored
+
+    # A second publisher delivers the rest and exits by itself.
+    finisher = _start(database_url, kafka_bootstrap, "--exit-when-idle")
+    _, stderr = finisher.communicate(timeout=120)
+    assert finisher.returncode == 0, stderr
+    assert count_by_state(database_url) == {"delivered": total}
+    ids = [r.outbox_id for r in read_topic(kafka_bootstrap, topic)]
+    assert len(ids) == total
+    assert len(set(ids)) == total
+
+
+def test_idle_publisher_exits_promptly_on_sigint(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A publisher waiting for work stops on SIGINT without waiting for its poll interval."""
+    process = _start(database_url, kafka_bootstrap, "--poll-interval", "300")
+    try:
+        wait_until(lambda: _registered(database_url), timeout=30, what="registration")
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=15)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "SIGINT received" in stderr
+
+
+def _registered(database_url: str) -> bool:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox.publishers").fetchone()
+    return row is not None and row[0] == 1
+
+
+def test_bad_configuration_is_refused_with_every_problem_named() -> None:
+    """Invalid settings exit 2 and list each problem, before connecting to anything."""
+    process = _start("mysql://x", "no-port", "--batch-size", "0", "--lease-seconds", "5")
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 2
+    assert "must start with postgresql://" in stderr
+    assert "'no-port' is not host:port" in stderr
+    assert "batch size must be at least 1" in stderr
+    assert "lease (5s) must be longer" in stderr

@@ -1,0 +1,74 @@
+"""The ``outbox`` command against a real database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import psycopg
+import pytest
+
+import outbox
+
+pytestmark = pytest.mark.integration
+
+
+def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def test_migrate_then_status_json_counts_every_state(empty_database_url: str) -> None:
+    """migrate prints the version; status --json maps every state to its count."""
+    first = _outbox("migrate", url=empty_database_url)
+    assert first.returncode == 0, first.stderr
+    assert "applied now: 0001_initial" in first.stdout
+    again = _outbox("migrate", url=empty_database_url)
+    assert again.returncode == 0
+    assert "applied now: none" in again.stdout
+
+    with psycopg.connect(empty_database_url) as conn:
+        outbox.enqueue_many(conn, [outbox.Message("t", b"x") for _ in range(3)])
+        conn.execute(
+            "UPDATE outbox.messages SET state = 'quarantined' "
+            "WHERE id = (SELECT id FROM outbox.messages ORDER BY seq LIMIT 1)"
+        )
+    status = _outbox("status", "--json", url=empty_database_url)
+    assert status.returncode == 1  # a quarantined message needs an operator
+    report = json.loads(status.stdout)
+    assert report["counts"] == {
+        "pending": 2, "in_flight": 0, "delivered": 0, "uncertain": 0, "quarantined": 1,
+        "discarded": 0,
+    }
+    assert report["healthy"] is False
+    table = _outbox("status", url=empty_database_url)
+    assert table.returncode == 1
+    assert "quarantined" in table.stdout
+    assert "retry or discard" in table.stdout
+
+
+def test_status_on_healthy_database_exits_zero(database_url: str) -> None:
+    """With nothing needing action, status exits 0."""
+    result = _outbox("status", "--json", url=database_url)
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["healthy"] is True
+
+
+def test_status_before_migrate_says_what_to_do(empty_database_url: str) -> None:
+    """An unmigrated database gets a clear message and exit code 2."""
+    result = _outbox("status", url=empty_database_url)
+    assert result.returncode == 2
+    assert "run `outbox migrate`" in result.stderr
+
+
+def test_unreachable_database_is_an_error_not_a_traceback() -> None:
+    """A database that does not answer gives exit code 2 and one line."""
+    url = f"postgresql://nobody@127.0.0.1:1/{uuid.uuid4().hex}"
+    result = _outbox("status", url=url)
+    assert result.returncode == 2
+    assert result.stderr.startswith("outbox: ")
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,229 @@
+"""enqueue() in the caller's transaction, through psycopg and SQLAlchemy."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+import outbox
+from tests.support import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _sa_url(database_url: str) -> str:
+    return database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def _rows(database_url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(
+            "SELECT id, topic, key, value, header_names, header_values, state "
+            "FROM outbox.messages ORDER BY seq"
+        ).fetchall()
+
+
+Opener = Callable[[str], AbstractContextManager[Any]]
+
+
+@contextmanager
+def _psycopg(url: str) -> Iterator[Any]:
+    with psycopg.connect(url) as conn:
+        yield conn
+
+
+@contextmanager
+def _sa_connection(url: str) -> Iterator[Any]:
+    engine = sa.create_engine(_sa_url(url))
+    try:
+        with engine.connect() as conn:
+            yield conn
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def _sa_session(url: str) -> Iterator[Any]:
+    engine = sa.create_engine(_sa_url(url))
+    try:
+        with Session(engine) as session:
+            yield session
+    finally:
+        engine.dispose()
+
+
+OPENERS = pytest.mark.parametrize(
+    "opener", [_psycopg, _sa_connection, _sa_session], ids=["psycopg", "sa-connection", "sa-session"]
+)
+
+
+@OPENERS
+def test_intent_is_written_in_the_callers_transaction(database_url: str, opener: Opener) -> None:
+    """The row appears only when the caller commits, with the encoded fields."""
+    with opener(database_url) as conn:
+        message_id = outbox.enqueue(conn, "orders", {"id": 1}, key="c-1", headers={"h": "v"})
+        assert _rows(database_url) == []  # not visible before the caller commits
+        conn.commit()
+    assert _rows(database_url) == [
+        (message_id, "orders", b"c-1", b'{"id":1}', ["h", "content-type"],
+         [b"v", b"application/json"], "pending")
+    ]
+
+
+@OPENERS
+def test_rollback_leaves_nothing(database_url: str, opener: Opener) -> None:
+    """When the caller rolls back, no intent remains."""
+    with opener(database_url) as conn:
+        outbox.enqueue(conn, "orders", b"x")
+        conn.rollback()
+    assert _rows(database_url) == []
+
+
+@OPENERS
+def test_invalid_input_writes_nothing_and_keeps_the_transaction_usable(
+    database_url: str, opener: Opener
+) -> None:
+    """Bad input raises before any SQL; the same transaction then commits normally."""
+    with opener(database_url) as conn:
+        good = outbox.enqueue(conn, "orders", b"first")
+        bad_calls: list[Callable[[], object]] = [
+            lambda: outbox.enqueue(conn, "", b"x"),
+            lambda: outbox.enqueue(conn, "bad topic!", b"x"),
+            lambda: outbox.enqueue(conn, "orders", object()),
+            lambda: outbox.enqueue(conn, "orders", b"x", headers={"h": 1}),  # type: ignore[dict-item]
+            lambda: outbox.enqueue(conn, "orders", b"x", key=5),  # type: ignore[arg-type]
+            lambda: outbox.Outbox(max_value_bytes=10).enqueue(conn, "orders", b"x" * 11),
+            lambda: outbox.enqueue_many(
+                conn, [outbox.Message("orders", b"ok"), outbox.Message("orders", {1j})]
+            ),
+        ]
+        for call in bad_calls:
+            with pytest.raises(outbox.InvalidMessage):
+                call()
+        second = outbox.enqueue(conn, "orders", b"second")
+        conn.commit()
+    assert [row[0] for row in _rows(database_url)] == [good, second]
+
+
+def test_autocommit_connection_without_transaction_is_refused(database_url: str) -> None:
+    """An autocommit connection would commit the intent alone, so enqueue refuses it."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        with pytest.raises(outbox.NoOpenTransaction):
+            outbox.enqueue(conn, "orders", b"x")
+        with conn.transaction():  # an explicit transaction block is fine
+            outbox.enqueue(conn, "orders", b"y")
+    assert [row[3] for row in _rows(database_url)] == [b"y"]
+
+
+def test_failed_transaction_is_reported_before_sql(database_url: str) -> None:
+    """After a failed statement, enqueue says the transaction must be rolled back."""
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            conn.execute("SELECT * FROM no_such_table")
+        with pytest.raises(outbox.TransactionAborted):
+            outbox.enqueue(conn, "orders", b"x")
+
+
+def test_other_connection_types_are_refused(database_url: str) -> None:
+    """Something that is not a supported connection raises a clear error."""
+    with pytest.raises(outbox.ConnectionNotSupported, match="psycopg 3 Connection"):
+        outbox.enqueue(object(), "orders", b"x")
+
+
+def test_enqueue_many_writes_in_order_and_returns_ids(database_url: str) -> None:
+    """enqueue_many keeps input order, and ids match the stored rows."""
+    messages = [outbox.Message("orders", f"v{i}", key=f"k{i % 3}") for i in range(12)]
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(conn, messages)
+    rows = _rows(database_url)
+    assert [row[0] for row in rows] == ids
+    assert [row[3] for row in rows] == [f"v{i}".encode() for i in range(12)]
+
+
+def test_repeated_idempotency_key_returns_first_id(database_url: str) -> None:
+    """Same key in a later transaction and inside one batch: one row, one id."""
+    with psycopg.connect(database_url) as conn:
+        first = outbox.enqueue(conn, "orders", b"a", idempotency_key="order-1")
+    with psycopg.connect(database_url) as conn:
+        again = outbox.enqueue(conn, "orders", b"b", idempotency_key="order-1")
+        batch = outbox.enqueue_many(
+            conn,
+            [
+                outbox.Message("orders", b"c", idempotency_key="order-2"),
+                outbox.Message("orders", b"d", idempotency_key="order-1"),
+                outbox.Message("orders", b"e", idempotency_key="order-2"),
+            ],
+        )
+    assert again == first
+    assert batch[1] == first
+    assert batch[0] == batch[2] != first
+    assert [row[3] for row in _rows(database_url)] == [b"a", b"c"]
+
+
+def _backend_waiting_on_lock(database_url: str, application_name: str) -> bool:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+@pytest.mark.parametrize("first_commits", [True, False], ids=["first-commits", "first-rolls-back"])
+def test_idempotency_key_race_between_two_transactions(
+    database_url: str, first_commits: bool
+) -> None:
+    """Two open transactions enqueue the same key: one row, both see the surviving id."""
+    name = f"racer-{uuid.uuid4().hex[:8]}"
+    first_conn = psycopg.connect(database_url)
+    second_conn = psycopg.connect(database_url, application_name=name)
+    try:
+        first_id = outbox.enqueue(first_conn, "orders", b"first", idempotency_key="pay-9")
+        with ThreadPoolExecutor(1) as pool:
+            # The second INSERT must wait for the first transaction to finish.
+            second = pool.submit(
+                outbox.enqueue, second_conn, "orders", b"second", idempotency_key="pay-9"
+            )
+            wait_until(lambda: _backend_waiting_on_lock(database_url, name), timeout=10,
+                       what="the second enqueue to block on the first")
+            assert not second.done()
+            if first_commits:
+                first_conn.commit()
+            else:
+                first_conn.rollback()
+            second_id = second.result(timeout=10)
+        second_conn.commit()
+    finally:
+        first_conn.close()
+        second_conn.close()
+    rows = _rows(database_url)
+    if first_commits:
+        assert second_id == first_id
+        assert [(row[0], row[3]) for row in rows] == [(first_id, b"first")]
+    else:
+        assert second_id != first_id
+        assert [(row[0], row[3]) for row in rows] == [(second_id, b"second")]
+
+
+def test_many_concurrent_writers_with_one_key_make_one_row(database_url: str) -> None:
+    """Eight threads racing on one idempotency key all get the same id."""
+    barrier = threading.Barrier(8)
+
+    def writer(n: int) -> uuid.UUID:
+        with psycopg.connect(database_url) as conn:
+            barrier.wait(timeout=10)
+            return outbox.enqueue(conn, "orders", f"w{n}", idempotency_key="same")
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(writer, range(8)))
+    assert len(set(ids)) == 1
+    assert len(_rows(database_url)) == 1
