@@ -143,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # kafka-python logs every reconnect at INFO/ERROR; our own lines say what matters.
     logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    # ... and an ERROR for every topic it has not seen yet, even where the broker
+    # creates it on first use; a topic that really is missing is reported per message.
+    logging.getLogger("kafka.cluster").setLevel(logging.CRITICAL)
     publisher = build_publisher(config)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -1,0 +1,73 @@
+# Image for the outbox publisher sidecar (`outbox-publisher`, the default
+# entrypoint) and the operator CLI (`outbox migrate`, `outbox status`), which
+# ship in the same package.
+#
+#   docker build -t outbox:local .
+#   docker run --rm -e OUTBOX_DATABASE_URL=postgresql://... outbox:local --help
+#   docker run --rm -e OUTBOX_DATABASE_URL=postgresql://... --entrypoint outbox outbox:local migrate
+#
+# Settings come from the environment (OUTBOX_DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP,
+# OUTBOX_BATCH_SIZE, OUTBOX_LEASE_SECONDS, OUTBOX_POLL_INTERVAL, OUTBOX_LOG_LEVEL)
+# or from flags after the image name. On SIGTERM the publisher finishes the batch
+# in hand (up to delivery + request timeout, 40 s by default) and exits 0, so give
+# it a stop timeout of a minute (`docker stop -t 60`, compose `stop_grace_period`).
+#
+# Needs BuildKit (the default builder since Docker 23) for the pip cache mounts.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# --- build: resolve the dependencies into a venv and add the project's wheel ---
+FROM ${PYTHON_IMAGE} AS build
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    PYTHONDONTWRITEBYTECODE=1
+
+# A venv without pip of its own: the base image's pip installs into it.
+RUN python -m venv --without-pip /opt/venv
+
+WORKDIR /src
+
+# Dependencies first, from pyproject.toml alone, so that a change to the code
+# does not reinstall them.
+COPY pyproject.toml ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+ && pip --python /opt/venv/bin/python install -r /tmp/requirements.txt
+
+# The wheel: hatchling needs the README (package metadata) and schema/, which
+# the wheel force-includes as outbox/schema (the migrations).
+COPY README.md ./
+COPY schema/ schema/
+COPY outbox/ outbox/
+COPY publisher/ publisher/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip wheel --no-deps --wheel-dir /dist . \
+ && pip --python /opt/venv/bin/python install --no-deps /dist/*.whl \
+ && /opt/venv/bin/python -c "import importlib.resources as r; assert r.files('outbox').joinpath('schema').is_dir(), 'schema/ missing from the wheel'"
+
+# --- runtime: the venv and the examples, no build tools, not root ---
+FROM ${PYTHON_IMAGE} AS runtime
+
+LABEL org.opencontainers.image.title="outbox-publisher" \
+      org.opencontainers.image.description="Transactional outbox for PostgreSQL and a publisher sidecar that delivers to Apache Kafka" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+RUN groupadd --system --gid 10001 outbox \
+ && useradd --system --uid 10001 --gid outbox --no-create-home \
+        --home-dir /nonexistent --shell /usr/sbin/nologin outbox
+
+COPY --from=build /opt/venv /opt/venv
+# The demo service (examples/demo_service.py), run by compose.yaml's `demo`.
+COPY examples/ /app/examples/
+
+WORKDIR /app
+# Numeric, so that runAsNonRoot-style checks can verify it.
+USER 10001:10001
+
+ENTRYPOINT ["outbox-publisher"]

@@ -1,0 +1,58 @@
+# Everyday commands. `make test` is what CI runs (through .ci/run).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Each recipe line that talks to the services first loads where they are.
+WITH_SERVICES := . ./.services.env &&
+
+.PHONY: help venv services services-down lint typecheck unit test demo bench clean
+
+help:
+	@echo "make venv           create .venv with the project and its dev tools"
+	@echo "make services       start (or reuse) local PostgreSQL and Kafka; writes .services.env"
+	@echo "make services-down  stop them"
+	@echo "make test           ruff, mypy and every test against the real services"
+	@echo "make unit           only the tests that need no services"
+	@echo "make demo           an example service writes orders; a publisher delivers them"
+	@echo "make bench          throughput benchmark: end to end vs kafka-python alone"
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+services:
+	services/up
+
+services-down:
+	services/down
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/pytest tests/unit
+
+test: lint typecheck services
+	$(WITH_SERVICES) $(BIN)/pytest
+
+demo: venv services
+	$(WITH_SERVICES) $(BIN)/outbox migrate
+	$(WITH_SERVICES) $(BIN)/python examples/demo_service.py
+	$(WITH_SERVICES) $(BIN)/outbox-publisher --exit-when-idle
+	$(WITH_SERVICES) $(BIN)/outbox status; test $$? -le 1
+	$(WITH_SERVICES) $(BIN)/python examples/demo_service.py --read
+
+bench: venv services
+	$(WITH_SERVICES) $(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,174 @@
+"""Throughput: the outbox end to end against kafka-python alone, in one run.
+
+Both sides send the same records (about 200 bytes, keyed over 1,000 keys)
+to the same broker with the same producer settings (idempotent, acks=all):
+
+* bare: one kafka-python producer sends every record and flushes;
+* end to end: the records are already committed as pending intents; one
+  publisher claims, sends and confirms them all (rows -> Kafka acknowledged
+  -> confirmation stored). The clock runs from the publisher's start until
+  the last confirmation is stored.
+
+The two are interleaved for several rounds on fresh topics and databases, so
+the noise of a shared machine hits both alike; the ratio of the medians is
+the figure to judge. Results also go to benchmarks/results/latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psycopg
+from kafka import KafkaAdminClient, KafkaProducer
+from kafka.admin import NewTopic
+from psycopg import sql
+
+import outbox
+from outbox.migrations import migrate
+from publisher.cli import build_publisher
+from publisher.config import PublisherConfig
+from publisher.partitioning import partition_for
+
+RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
+KEYS = 1_000
+PARTITIONS = 3
+
+
+def make_records(count: int) -> list[outbox.Message]:
+    """``count`` records of about 200 bytes each, keyed over 1,000 keys."""
+    return [
+        outbox.Message(
+            "placeholder",
+            json.dumps({"event": "OrderPlaced", "seq": i, "pad": "x" * 150}).encode(),
+            key=f"customer-{i % KEYS:04d}",
+        )
+        for i in range(count)
+    ]
+
+
+def new_topic(bootstrap: str) -> str:
+    """Create a fresh topic with the benchmark's partition count."""
+    name = f"bench-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)])
+    admin.close()
+    return name
+
+
+def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
+    """Seconds for kafka-python alone to send and flush every record."""
+    topic = new_topic(bootstrap)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5,
+        batch_size=256 * 1024,
+    )
+    producer.partitions_for(topic)  # metadata fetched before the clock starts, as for the publisher
+    prepared = [
+        (str(key).encode(), r.value, [("outbox-id", str(uuid.uuid4()).encode())])
+        for key, r in ((r.key, r) for r in records)
+    ]
+    start = time.perf_counter()
+    for key, value, headers in prepared:
+        producer.send(topic, value=value, key=key, headers=headers,
+                      partition=partition_for(key, uuid.UUID(int=0), PARTITIONS))
+    producer.flush()
+    elapsed = time.perf_counter() - start
+    producer.close()
+    return elapsed
+
+
+def _database(url: str, name: str) -> str:
+    return urlsplit(url)._replace(path=f"/{name}").geturl()
+
+
+def end_to_end(database_url: str, bootstrap: str, records: list[outbox.Message],
+               batch_size: int) -> tuple[float, int]:
+    """Seconds for a publisher to deliver and confirm every pending record; and its batches."""
+    topic = new_topic(bootstrap)
+    name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
+    admin_url = _database(database_url, "postgres")
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = _database(database_url, name)
+    try:
+        migrate(url)
+        with psycopg.connect(url) as conn:
+            outbox.enqueue_many(
+                conn, [outbox.Message(topic, r.value, key=r.key) for r in records]
+            )
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE outbox.messages")
+        publisher = build_publisher(
+            PublisherConfig(database_url=url, kafka_bootstrap=bootstrap, exit_when_idle=True,
+                            batch_size=batch_size)
+        )
+        publisher.sink.partition_count(topic)  # same warm metadata as the bare producer
+        start = time.perf_counter()
+        totals = publisher.run()
+        elapsed = time.perf_counter() - start
+        with psycopg.connect(url) as conn:
+            delivered = conn.execute(
+                "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'"
+            ).fetchone()
+        if delivered != (len(records),) or totals.delivered != len(records):
+            raise SystemExit(f"end to end delivered {delivered}, expected {len(records)}")
+        return elapsed, totals.batches
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
+def main() -> None:
+    """Run the interleaved rounds and print rates and their ratio."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=1_000)
+    args = parser.parse_args()
+    database_url = os.environ["OUTBOX_DATABASE_URL"]
+    bootstrap = os.environ["OUTBOX_KAFKA_BOOTSTRAP"]
+    records = make_records(args.messages)
+    size = statistics.mean(len(r.value) + len(str(r.key)) for r in records)
+    print(f"{args.messages} records of ~{size:.0f} bytes, {KEYS} keys, {PARTITIONS} partitions, "
+          f"publisher batch {args.batch_size}, {args.rounds} interleaved rounds")
+
+    bare_rates, e2e_rates, batches = [], [], 0
+    for round_no in range(1, args.rounds + 1):
+        bare = args.messages / bare_producer(bootstrap, records)
+        seconds, batches = end_to_end(database_url, bootstrap, records, args.batch_size)
+        e2e = args.messages / seconds
+        bare_rates.append(bare)
+        e2e_rates.append(e2e)
+        print(f"round {round_no}: bare {bare:,.0f} msg/s   end to end {e2e:,.0f} msg/s   "
+              f"ratio {e2e / bare:.2f}   ({batches} batches: one claim and one confirm each)")
+
+    bare_median, e2e_median = statistics.median(bare_rates), statistics.median(e2e_rates)
+    ratio = e2e_median / bare_median
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "throughput",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "messages": args.messages,
+        "batch_size": args.batch_size,
+        "bare_msgs_per_s": [round(r) for r in bare_rates],
+        "end_to_end_msgs_per_s": [round(r) for r in e2e_rates],
+        "ratio_of_medians": round(ratio, 3),
+    }, indent=2) + "\n")
+    print(f"bare producer median {bare_median:,.0f} msg/s, end to end median "
+          f"{e2e_median:,.0f} msg/s")
+    print(f"ratio end to end / bare producer: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
