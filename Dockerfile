@@ -37,7 +37,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && pip --python /opt/venv/bin/python install -r /tmp/requirements.txt
 
 # The wheel: hatchling needs the README (package metadata) and schema/, which
-# the wheel force-includes as outbox/schema (the migrations).
+# the wheel force-includes as outbox/schema (the migrations). The check runs
+# isolated (-I) so that it sees the installed package, not ./outbox.
 COPY README.md ./
 COPY schema/ schema/
 COPY outbox/ outbox/
@@ -45,7 +46,7 @@ COPY publisher/ publisher/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip wheel --no-deps --wheel-dir /dist . \
  && pip --python /opt/venv/bin/python install --no-deps /dist/*.whl \
- && /opt/venv/bin/python -c "import importlib.resources as r; assert r.files('outbox').joinpath('schema').is_dir(), 'schema/ missing from the wheel'"
+ && /opt/venv/bin/python -I -c "import importlib.resources as r; assert r.files('outbox').joinpath('schema').is_dir(), 'schema/ missing from the wheel'"
 
 # --- runtime: the venv and the examples, no build tools, not root ---
 FROM ${PYTHON_IMAGE} AS runtime

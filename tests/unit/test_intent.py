@@ -1,0 +1,347 @@
+"""Validation and encoding of enqueue arguments (outbox/intent.py), all before any SQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+import outbox
+from outbox import Message, Outbox
+from outbox.errors import (
+    ConnectionNotSupported,
+    InvalidHeaders,
+    InvalidIdempotencyKey,
+    InvalidKey,
+    InvalidMessage,
+    InvalidTopic,
+    InvalidValue,
+    ValueTooLarge,
+)
+from outbox.intent import (
+    MAX_TOPIC_LENGTH,
+    build_intent,
+    encode_headers,
+    encode_key,
+    encode_value,
+    validate_topic,
+)
+
+# --- validate_topic ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "orders",
+        "a",
+        "x" * 249,
+        "orders.v1",
+        "orders_v1",
+        "orders-v1",
+        "Orders.V1_eu-west-1",
+        "...a",
+        "0123456789",
+    ],
+)
+def test_validate_topic_accepts_names_kafka_accepts(topic: str) -> None:
+    """A topic of ASCII letters, digits, '.', '_' and '-' up to 249 characters is returned as is."""
+    assert validate_topic(topic) == topic
+
+
+def test_max_topic_length_is_kafkas() -> None:
+    """The topic length limit is Kafka's 249 characters."""
+    assert MAX_TOPIC_LENGTH == 249
+
+
+@pytest.mark.parametrize(
+    ("topic", "fragment"),
+    [
+        (None, "must be a str, got NoneType"),
+        (42, "must be a str, got int"),
+        (b"orders", "must be a str, got bytes"),
+        ("", "must not be empty"),
+        (".", "not allowed"),
+        ("..", "not allowed"),
+        ("x" * 250, "250 characters long"),
+        ("my orders", "characters Kafka refuses: ' '"),
+        ("héllo", "characters Kafka refuses: 'é'"),
+        ("orders/v1", "characters Kafka refuses: '/'"),
+        ("orders\n", "characters Kafka refuses"),
+    ],
+)
+def test_validate_topic_refuses_with_a_message_naming_the_problem(
+    topic: object, fragment: str
+) -> None:
+    """A topic Kafka would refuse raises InvalidTopic whose message names what is wrong."""
+    with pytest.raises(InvalidTopic) as caught:
+        validate_topic(topic)
+    assert fragment in str(caught.value)
+
+
+def test_invalid_topic_is_an_invalid_message_and_a_value_error() -> None:
+    """InvalidTopic can be caught as outbox.InvalidMessage and as ValueError."""
+    with pytest.raises(InvalidTopic) as caught:
+        validate_topic("")
+    assert isinstance(caught.value, InvalidMessage)
+    assert isinstance(caught.value, ValueError)
+
+
+# --- encode_key -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (None, None),
+        (b"\x00\xffraw", b"\x00\xffraw"),
+        (b"", b""),
+        ("customer-7", b"customer-7"),
+        ("héllo", "héllo".encode()),
+        (bytearray(b"abc"), b"abc"),
+        (memoryview(b"abc"), b"abc"),
+    ],
+)
+def test_encode_key(key: object, expected: bytes | None) -> None:
+    """A key is None (unkeyed), bytes as given, str as UTF-8, or a bytes-like copied to bytes."""
+    encoded = encode_key(key)
+    assert encoded == expected
+    assert encoded is None or type(encoded) is bytes
+
+
+@pytest.mark.parametrize("key", [7, 1.5, ["a"], {"k": 1}])
+def test_encode_key_refuses_other_types(key: object) -> None:
+    """A key that is neither bytes nor str raises InvalidKey naming its type."""
+    with pytest.raises(InvalidKey, match=type(key).__name__):
+        encode_key(key)
+
+
+# --- encode_value -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b"\x00raw", b"\x00raw"),
+        (b"", b""),
+        ("plain text", b"plain text"),
+        ("héllo", "héllo".encode()),
+        (bytearray(b"abc"), b"abc"),
+    ],
+)
+def test_encode_value_passes_bytes_and_text_through(value: object, expected: bytes) -> None:
+    """Bytes are kept and str is encoded as UTF-8, neither marked as JSON."""
+    assert encode_value(value) == (expected, False)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ({"id": 42, "items": [1, 2]}, b'{"id":42,"items":[1,2]}'),
+        ([1, "a", None], b'[1,"a",null]'),
+        (42, b"42"),
+        (True, b"true"),
+        ({}, b"{}"),
+    ],
+)
+def test_encode_value_serialises_other_values_as_compact_json(
+    value: object, expected: bytes
+) -> None:
+    """A dict, list or number becomes compact JSON bytes and is marked as JSON."""
+    assert encode_value(value) == (expected, True)
+
+
+def test_encode_value_keeps_non_ascii_as_utf8_in_json() -> None:
+    """Non-ASCII text inside a JSON value is written as UTF-8, not as \\u escapes."""
+    encoded, is_json = encode_value({"name": "héllo ключ"})
+    assert is_json
+    assert encoded == '{"name":"héllo ключ"}'.encode()
+    assert b"\\u" not in encoded
+    assert json.loads(encoded) == {"name": "héllo ключ"}
+
+
+def test_encode_value_refuses_none_mentioning_tombstones() -> None:
+    """A None value raises InvalidValue that says Kafka tombstones are not supported."""
+    with pytest.raises(InvalidValue, match="tombstones"):
+        encode_value(None)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {1, 2},
+        object(),
+        {"when": object()},
+        float("nan"),
+        float("inf"),
+        {"x": float("nan")},
+    ],
+)
+def test_encode_value_refuses_what_is_not_json(value: object) -> None:
+    """A value that is not strictly JSON-serialisable (sets, objects, NaN) raises InvalidValue."""
+    with pytest.raises(InvalidValue, match="not JSON-serialisable"):
+        encode_value(value)
+
+
+# --- encode_headers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "names", "values"),
+    [
+        (None, [], []),
+        ({}, [], []),
+        ([], [], []),
+        ({"trace": b"\x01", "source": "svc"}, ["trace", "source"], [b"\x01", b"svc"]),
+        ([("trace", b"\x01"), ("source", "svc")], ["trace", "source"], [b"\x01", b"svc"]),
+        ([["trace", "1"]], ["trace"], [b"1"]),
+        (
+            [("tag", "a"), ("other", b"x"), ("tag", "b"), ("tag", "c")],
+            ["tag", "other", "tag", "tag"],
+            [b"a", b"x", b"b", b"c"],
+        ),
+        ({"name": "héllo"}, ["name"], ["héllo".encode()]),
+    ],
+)
+def test_encode_headers(headers: Any, names: list[str], values: list[bytes]) -> None:
+    """Headers from a mapping or pairs keep their order, repeats, and encode str values as UTF-8."""
+    assert encode_headers(headers) == (names, values)
+
+
+@pytest.mark.parametrize(
+    ("headers", "fragment"),
+    [
+        ([(1, b"x")], "header name 1 must be a non-empty str"),
+        ([(b"trace", b"x")], "must be a non-empty str"),
+        ({"": b"x"}, "header name '' must be a non-empty str"),
+        ({"n": 5}, "header 'n' has a int value"),
+        ({"n": None}, "header 'n' has a NoneType value"),
+        ([("a", b"x", b"y")], "is not a (name, value) pair"),
+        ([("a",)], "is not a (name, value) pair"),
+        (["ab"], "'ab' is not a (name, value) pair"),
+        ("trace", "must be a mapping or a list"),
+        (b"trace", "must be a mapping or a list"),
+        (42, "got int"),
+        ({"outbox-id": b"x"}, "reserved"),
+        ([("a", b"1"), ("outbox-id", "x")], "reserved"),
+    ],
+)
+def test_encode_headers_refuses_with_a_message_naming_the_problem(
+    headers: Any, fragment: str
+) -> None:
+    """Malformed headers (bad name, value, item or container, the reserved id) raise InvalidHeaders."""
+    with pytest.raises(InvalidHeaders) as caught:
+        encode_headers(headers)
+    assert fragment in str(caught.value)
+
+
+# --- build_intent -----------------------------------------------------------------------------
+
+
+def _header_pairs(names: Iterable[str], values: Iterable[bytes]) -> list[tuple[str, bytes]]:
+    return list(zip(names, values, strict=True))
+
+
+def test_build_intent_adds_json_content_type_for_json_values() -> None:
+    """A value the library serialised as JSON gets content-type: application/json after user headers."""
+    intent = build_intent("orders", {"id": 1}, headers={"trace": "t"})
+    assert intent.value == b'{"id":1}'
+    assert _header_pairs(intent.header_names, intent.header_values) == [
+        ("trace", b"t"),
+        ("content-type", b"application/json"),
+    ]
+
+
+@pytest.mark.parametrize("value", [b'{"id":1}', '{"id":1}'])
+def test_build_intent_adds_no_content_type_for_bytes_or_text(value: bytes | str) -> None:
+    """A value given as bytes or str gets no content-type header from the library."""
+    intent = build_intent("orders", value)
+    assert "content-type" not in intent.header_names
+
+
+def test_build_intent_keeps_the_callers_content_type() -> None:
+    """A JSON value whose caller set content-type keeps that one header and gets no second."""
+    intent = build_intent("orders", {"id": 1}, headers=[("content-type", b"application/x-custom")])
+    assert _header_pairs(intent.header_names, intent.header_values) == [
+        ("content-type", b"application/x-custom")
+    ]
+
+
+def test_build_intent_carries_every_field() -> None:
+    """The intent holds the validated topic, the encoded key and value, and the idempotency key."""
+    intent = build_intent("orders", "v", key="customer-7", idempotency_key="order-42")
+    assert (intent.topic, intent.key, intent.value, intent.idempotency_key) == (
+        "orders",
+        b"customer-7",
+        b"v",
+        "order-42",
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "max_value_bytes"),
+    [(b"x" * 10, 10), ({"a": 1}, len(b'{"a":1}')), ("é" * 5, 10)],
+)
+def test_build_intent_accepts_a_value_of_exactly_the_maximum(
+    value: object, max_value_bytes: int
+) -> None:
+    """An encoded value exactly max_value_bytes long is accepted."""
+    intent = build_intent("orders", value, max_value_bytes=max_value_bytes)
+    assert len(intent.value) == max_value_bytes
+
+
+@pytest.mark.parametrize(
+    ("value", "max_value_bytes"),
+    [(b"x" * 11, 10), ({"a": 10}, len(b'{"a":1}')), ("é" * 5, 9)],
+)
+def test_build_intent_refuses_a_value_over_the_maximum(value: object, max_value_bytes: int) -> None:
+    """An encoded value one byte over max_value_bytes (counted after encoding) raises ValueTooLarge."""
+    with pytest.raises(ValueTooLarge, match=f"maximum is {max_value_bytes}"):
+        build_intent("orders", value, max_value_bytes=max_value_bytes)
+
+
+@pytest.mark.parametrize("idempotency_key", ["", 42, b"order-42", ["k"]])
+def test_build_intent_refuses_a_bad_idempotency_key(idempotency_key: object) -> None:
+    """An idempotency key that is not a non-empty str raises InvalidIdempotencyKey."""
+    with pytest.raises(InvalidIdempotencyKey, match="non-empty str"):
+        build_intent("orders", b"v", idempotency_key=idempotency_key)
+
+
+def test_build_intent_gives_each_intent_a_distinct_id() -> None:
+    """Every intent built gets an id of its own, even for identical arguments."""
+    ids = {build_intent("orders", b"same", key="k").id for _ in range(500)}
+    assert len(ids) == 500
+
+
+# --- Outbox.enqueue_many: validation before the connection --------------------------------------
+
+
+def test_enqueue_many_validates_every_message_before_looking_at_the_connection() -> None:
+    """An invalid message raises InvalidMessage naming its position, before the connection is checked."""
+    messages = [Message("orders", {"id": 1}), Message("", {"id": 2})]
+    with pytest.raises(InvalidMessage) as caught:
+        Outbox().enqueue_many(object(), messages)
+    assert not isinstance(caught.value, ConnectionNotSupported)
+    assert isinstance(caught.value, InvalidTopic)
+    assert str(caught.value).startswith("message 1: ")
+    assert "must not be empty" in str(caught.value)
+
+
+def test_enqueue_many_keeps_the_specific_error_type() -> None:
+    """A value over the Outbox's max_value_bytes raises ValueTooLarge naming message 0."""
+    with pytest.raises(ValueTooLarge, match=r"^message 0: value is 6 bytes"):
+        Outbox(max_value_bytes=5).enqueue_many(object(), [Message("orders", b"123456")])
+
+
+def test_enqueue_many_with_valid_messages_refuses_an_unsupported_connection() -> None:
+    """Valid messages on something that is not a supported connection raise ConnectionNotSupported."""
+    with pytest.raises(ConnectionNotSupported, match=r"got builtins\.object"):
+        Outbox().enqueue_many(object(), [Message("orders", {"id": 1})])
+
+
+def test_module_level_enqueue_validates_before_the_connection() -> None:
+    """outbox.enqueue raises InvalidHeaders for a reserved header before checking the connection."""
+    with pytest.raises(InvalidHeaders, match="reserved"):
+        outbox.enqueue(object(), "orders", b"v", headers={"outbox-id": b"x"})
