@@ -68,7 +68,10 @@ def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
     """Seconds for kafka-python alone to send and flush every record."""
     topic = new_topic(bootstrap)
     producer = KafkaProducer(
-        bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", linger_ms=5,
+        bootstrap_servers=bootstrap,
+        enable_idempotence=True,
+        acks="all",
+        linger_ms=5,
         batch_size=256 * 1024,
     )
     producer.partitions_for(topic)  # metadata fetched before the clock starts, as for the publisher
@@ -78,8 +81,13 @@ def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
     ]
     start = time.perf_counter()
     for key, value, headers in prepared:
-        producer.send(topic, value=value, key=key, headers=headers,
-                      partition=partition_for(key, uuid.UUID(int=0), PARTITIONS))
+        producer.send(
+            topic,
+            value=value,
+            key=key,
+            headers=headers,
+            partition=partition_for(key, uuid.UUID(int=0), PARTITIONS),
+        )
     producer.flush()
     elapsed = time.perf_counter() - start
     producer.close()
@@ -90,8 +98,9 @@ def _database(url: str, name: str) -> str:
     return urlsplit(url)._replace(path=f"/{name}").geturl()
 
 
-def end_to_end(database_url: str, bootstrap: str, records: list[outbox.Message],
-               batch_size: int) -> tuple[float, int]:
+def end_to_end(
+    database_url: str, bootstrap: str, records: list[outbox.Message], batch_size: int
+) -> tuple[float, int]:
     """Seconds for a publisher to deliver and confirm every pending record; and its batches."""
     topic = new_topic(bootstrap)
     name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
@@ -102,14 +111,16 @@ def end_to_end(database_url: str, bootstrap: str, records: list[outbox.Message],
     try:
         migrate(url)
         with psycopg.connect(url) as conn:
-            outbox.enqueue_many(
-                conn, [outbox.Message(topic, r.value, key=r.key) for r in records]
-            )
+            outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE outbox.messages")
         publisher = build_publisher(
-            PublisherConfig(database_url=url, kafka_bootstrap=bootstrap, exit_when_idle=True,
-                            batch_size=batch_size)
+            PublisherConfig(
+                database_url=url,
+                kafka_bootstrap=bootstrap,
+                exit_when_idle=True,
+                batch_size=batch_size,
+            )
         )
         publisher.sink.partition_count(topic)  # same warm metadata as the bare producer
         start = time.perf_counter()
@@ -124,8 +135,9 @@ def end_to_end(database_url: str, bootstrap: str, records: list[outbox.Message],
         return elapsed, totals.batches
     finally:
         with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
 
 
 def main() -> None:
@@ -139,8 +151,10 @@ def main() -> None:
     bootstrap = os.environ["OUTBOX_KAFKA_BOOTSTRAP"]
     records = make_records(args.messages)
     size = statistics.mean(len(r.value) + len(str(r.key)) for r in records)
-    print(f"{args.messages} records of ~{size:.0f} bytes, {KEYS} keys, {PARTITIONS} partitions, "
-          f"publisher batch {args.batch_size}, {args.rounds} interleaved rounds")
+    print(
+        f"{args.messages} records of ~{size:.0f} bytes, {KEYS} keys, {PARTITIONS} partitions, "
+        f"publisher batch {args.batch_size}, {args.rounds} interleaved rounds"
+    )
 
     bare_rates, e2e_rates, batches = [], [], 0
     for round_no in range(1, args.rounds + 1):
@@ -149,24 +163,33 @@ def main() -> None:
         e2e = args.messages / seconds
         bare_rates.append(bare)
         e2e_rates.append(e2e)
-        print(f"round {round_no}: bare {bare:,.0f} msg/s   end to end {e2e:,.0f} msg/s   "
-              f"ratio {e2e / bare:.2f}   ({batches} batches: one claim and one confirm each)")
+        print(
+            f"round {round_no}: bare {bare:,.0f} msg/s   end to end {e2e:,.0f} msg/s   "
+            f"ratio {e2e / bare:.2f}   ({batches} batches: one claim and one confirm each)"
+        )
 
     bare_median, e2e_median = statistics.median(bare_rates), statistics.median(e2e_rates)
     ratio = e2e_median / bare_median
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "throughput",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "messages": args.messages,
-        "batch_size": args.batch_size,
-        "bare_msgs_per_s": [round(r) for r in bare_rates],
-        "end_to_end_msgs_per_s": [round(r) for r in e2e_rates],
-        "ratio_of_medians": round(ratio, 3),
-    }, indent=2) + "\n")
-    print(f"bare producer median {bare_median:,.0f} msg/s, end to end median "
-          f"{e2e_median:,.0f} msg/s")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "throughput",
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                "messages": args.messages,
+                "batch_size": args.batch_size,
+                "bare_msgs_per_s": [round(r) for r in bare_rates],
+                "end_to_end_msgs_per_s": [round(r) for r in e2e_rates],
+                "ratio_of_medians": round(ratio, 3),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(
+        f"bare producer median {bare_median:,.0f} msg/s, end to end median {e2e_median:,.0f} msg/s"
+    )
     print(f"ratio end to end / bare producer: {ratio:.2f}")
 
 

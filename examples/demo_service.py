@@ -49,15 +49,24 @@ class RejectedOrder(Exception):
 
 def place_order(session: Session, customer: str, total: Decimal) -> uuid.UUID:
     """Insert an order and enqueue OrderPlaced in the caller's transaction."""
-    order = Order(id=uuid.uuid4(), customer=customer, total=total,
-                  placed_at=datetime.now(UTC))
+    order = Order(id=uuid.uuid4(), customer=customer, total=total, placed_at=datetime.now(UTC))
     session.add(order)
     session.flush()
-    event = {"type": "OrderPlaced", "order_id": str(order.id), "customer": customer,
-             "total": str(total)}
+    event = {
+        "type": "OrderPlaced",
+        "order_id": str(order.id),
+        "customer": customer,
+        "total": str(total),
+    }
     # Same transaction as the order row; the key keeps a customer's events in order.
-    outbox.enqueue(session, TOPIC, event, key=customer,
-                   headers={"event-type": "OrderPlaced"}, idempotency_key=f"order:{order.id}")
+    outbox.enqueue(
+        session,
+        TOPIC,
+        event,
+        key=customer,
+        headers={"event-type": "OrderPlaced"},
+        idempotency_key=f"order:{order.id}",
+    )
     if total <= 0:
         raise RejectedOrder(f"order total must be positive, got {total}")
     return order.id
@@ -83,8 +92,12 @@ def handle_requests(database_url: str) -> None:
 
 def read_back(bootstrap: str) -> None:
     """Print every record of the demo topic, as a consumer reads it."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
-                             enable_auto_commit=False, consumer_timeout_ms=5000)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        consumer_timeout_ms=5000,
+    )
     partitions = consumer.partitions_for_topic(TOPIC) or set()
     tps = [TopicPartition(TOPIC, p) for p in sorted(partitions)]
     consumer.assign(tps)
@@ -93,8 +106,10 @@ def read_back(bootstrap: str) -> None:
     print(f"records in Kafka topic {TOPIC}:")
     for record in consumer:
         headers = {k: v.decode() for k, v in record.headers}
-        print(f"  partition {record.partition} offset {record.offset} key {record.key!r} "
-              f"outbox-id {headers.get(outbox.ID_HEADER)}")
+        print(
+            f"  partition {record.partition} offset {record.offset} key {record.key!r} "
+            f"outbox-id {headers.get(outbox.ID_HEADER)}"
+        )
         print(f"    {json.loads(record.value)}")
         if all(consumer.position(tp) >= end[tp] for tp in tps):
             break

@@ -98,12 +98,16 @@ def template_database(services: Services) -> Iterator[str]:
     """A migrated database that every test database is copied from."""
     name = f"outbox_template_{os.getpid()}"
     with _admin(services) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     migrate(_with_database(services.database_url, name))
     yield name
     with _admin(services) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture
@@ -114,7 +118,9 @@ def empty_database_url(services: Services) -> Iterator[str]:
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     yield _with_database(services.database_url, name)
     with _admin(services) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture
@@ -129,7 +135,9 @@ def database_url(services: Services, template_database: str) -> Iterator[str]:
         )
     yield _with_database(services.database_url, name)
     with _admin(services) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 @pytest.fixture

@@ -19,8 +19,9 @@ from publisher.loop import Totals
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], *, timeout: float, interval: float = 0.05,
-               what: str = "condition") -> T:
+def wait_until(
+    condition: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition"
+) -> T:
     """Return the first truthy value of ``condition()``; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -41,8 +42,9 @@ def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
         admin.close()
     consumer = KafkaConsumer(bootstrap_servers=bootstrap)
     try:
-        wait_until(lambda: consumer.partitions_for_topic(name), timeout=30,
-                   what=f"topic {name} metadata")
+        wait_until(
+            lambda: consumer.partitions_for_topic(name), timeout=30, what=f"topic {name} metadata"
+        )
     finally:
         consumer.close()
 
@@ -72,11 +74,13 @@ class ConsumedRecord:
 
 def read_topic(bootstrap: str, topic: str, *, timeout: float = 10.0) -> list[ConsumedRecord]:
     """Read every record of ``topic`` from the start to the current end offsets."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                             group_id=None)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
     try:
-        partitions = wait_until(lambda: consumer.partitions_for_topic(topic), timeout=timeout,
-                                what=f"topic {topic} metadata")
+        partitions = wait_until(
+            lambda: consumer.partitions_for_topic(topic),
+            timeout=timeout,
+            what=f"topic {topic} metadata",
+        )
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
@@ -99,7 +103,9 @@ def read_topic(bootstrap: str, topic: str, *, timeout: float = 10.0) -> list[Con
 def publisher_config(database_url: str, kafka_bootstrap: str, **overrides: Any) -> PublisherConfig:
     """A publisher config for tests: small polls, exits when idle."""
     base = PublisherConfig(
-        database_url=database_url, kafka_bootstrap=kafka_bootstrap, exit_when_idle=True,
+        database_url=database_url,
+        kafka_bootstrap=kafka_bootstrap,
+        exit_when_idle=True,
         poll_interval=0.2,
     )
     return replace(base, **overrides)
@@ -113,7 +119,5 @@ def publish_until_idle(database_url: str, kafka_bootstrap: str, **overrides: Any
 def count_by_state(database_url: str) -> dict[str, int]:
     """Message counts by state (states with no message are left out)."""
     with psycopg.connect(database_url) as conn:
-        rows = conn.execute(
-            "SELECT state, count(*) FROM outbox.messages GROUP BY state"
-        ).fetchall()
-    return {state: count for state, count in rows}
+        rows = conn.execute("SELECT state, count(*) FROM outbox.messages GROUP BY state").fetchall()
+    return dict(rows)

@@ -22,8 +22,11 @@ SCRIPT = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
 
 def _start(database_url: str, kafka_bootstrap: str, *flags: str) -> subprocess.Popen[str]:
     assert SCRIPT is not None, "outbox-publisher is not installed next to this Python"
-    env = {**os.environ, "OUTBOX_DATABASE_URL": database_url,
-           "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap}
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
+    }
     return subprocess.Popen(
         [SCRIPT, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -40,8 +43,11 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
         )
     process = _start(database_url, kafka_bootstrap, "--batch-size", "200")
     try:
-        wait_until(lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
-                   timeout=60, what="the publisher to deliver its first batches")
+        wait_until(
+            lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
+            timeout=60,
+            what="the publisher to deliver its first batches",
+        )
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
@@ -57,8 +63,7 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     assert 1_000 <= counts["delivered"] < total, "stopped before the end of the backlog"
     with psycopg.connect(database_url) as conn:
         stopped = conn.execute(
-            "SELECT count(*) FILTER (WHERE stopped_at IS NOT NULL), count(*) "
-            "FROM outbox.publishers"
+            "SELECT count(*) FILTER (WHERE stopped_at IS NOT NULL), count(*) FROM outbox.publishers"
         ).fetchone()
     assert stopped == (1, 1)
 
@@ -66,7 +71,8 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     records = read_topic(kafka_bootstrap, topic)
     with psycopg.connect(database_url) as conn:
         stored = {
-            mid: (p, o) for mid, p, o in conn.execute(
+            mid: (p, o)
+            for mid, p, o in conn.execute(
                 "SELECT id, kafka_partition, kafka_offset FROM outbox.messages "
                 "WHERE state = 'delivered'"
             )
@@ -84,9 +90,7 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     assert len(set(ids)) == total
 
 
-def test_idle_publisher_exits_promptly_on_sigint(
-    database_url: str, kafka_bootstrap: str
-) -> None:
+def test_idle_publisher_exits_promptly_on_sigint(database_url: str, kafka_bootstrap: str) -> None:
     """A publisher waiting for work stops on SIGINT without waiting for its poll interval."""
     process = _start(database_url, kafka_bootstrap, "--poll-interval", "300")
     try:

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.integration
 def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -41,7 +44,11 @@ def test_migrate_then_status_json_counts_every_state(empty_database_url: str) ->
     assert status.returncode == 1  # a quarantined message needs an operator
     report = json.loads(status.stdout)
     assert report["counts"] == {
-        "pending": 2, "in_flight": 0, "delivered": 0, "uncertain": 0, "quarantined": 1,
+        "pending": 2,
+        "in_flight": 0,
+        "delivered": 0,
+        "uncertain": 0,
+        "quarantined": 1,
         "discarded": 0,
     }
     assert report["healthy"] is False

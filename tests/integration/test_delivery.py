@@ -21,7 +21,10 @@ def test_enqueued_message_arrives_with_key_headers_id_and_stored_location(
     """A delivered message is in Kafka with its key, headers and id, where the row says."""
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(
-            conn, topic, {"order": 42, "total": "9.50"}, key="customer-7",
+            conn,
+            topic,
+            {"order": 42, "total": "9.50"},
+            key="customer-7",
             headers=[("trace", b"abc"), ("source", "orders")],
         )
     totals = publish_until_idle(database_url, kafka_bootstrap)
@@ -46,7 +49,8 @@ def test_enqueued_message_arrives_with_key_headers_id_and_stored_location(
         ).fetchone()
         attempt = conn.execute(
             "SELECT outcome, kafka_partition, kafka_offset, send_began "
-            "FROM outbox.attempts WHERE message_id = %s", (message_id,),
+            "FROM outbox.attempts WHERE message_id = %s",
+            (message_id,),
         ).fetchall()
     assert row == ("delivered", record.partition, record.offset, True, 1, 1, None)
     assert attempt == [("delivered", record.partition, record.offset, True)]
@@ -75,9 +79,7 @@ def test_many_messages_keep_per_key_order_and_every_offset_matches(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
     """A few thousand messages over many batches: each delivered once, at its stored offset."""
-    messages = [
-        outbox.Message(topic, f"value-{i}", key=f"key-{i % 17}") for i in range(3_000)
-    ]
+    messages = [outbox.Message(topic, f"value-{i}", key=f"key-{i % 17}") for i in range(3_000)]
     with psycopg.connect(database_url) as conn:
         ids = outbox.enqueue_many(conn, messages)
     totals = publish_until_idle(database_url, kafka_bootstrap, batch_size=250)

@@ -62,7 +62,9 @@ def _sa_session(url: str) -> Iterator[Any]:
 
 
 OPENERS = pytest.mark.parametrize(
-    "opener", [_psycopg, _sa_connection, _sa_session], ids=["psycopg", "sa-connection", "sa-session"]
+    "opener",
+    [_psycopg, _sa_connection, _sa_session],
+    ids=["psycopg", "sa-connection", "sa-session"],
 )
 
 
@@ -74,8 +76,15 @@ def test_intent_is_written_in_the_callers_transaction(database_url: str, opener:
         assert _rows(database_url) == []  # not visible before the caller commits
         conn.commit()
     assert _rows(database_url) == [
-        (message_id, "orders", b"c-1", b'{"id":1}', ["h", "content-type"],
-         [b"v", b"application/json"], "pending")
+        (
+            message_id,
+            "orders",
+            b"c-1",
+            b'{"id":1}',
+            ["h", "content-type"],
+            [b"v", b"application/json"],
+            "pending",
+        )
     ]
 
 
@@ -99,7 +108,7 @@ def test_invalid_input_writes_nothing_and_keeps_the_transaction_usable(
             lambda: outbox.enqueue(conn, "", b"x"),
             lambda: outbox.enqueue(conn, "bad topic!", b"x"),
             lambda: outbox.enqueue(conn, "orders", object()),
-            lambda: outbox.enqueue(conn, "orders", b"x", headers={"h": 1}),  # type: ignore[dict-item]
+            lambda: outbox.enqueue(conn, "orders", b"x", headers={"h": 1}),  # type: ignore[arg-type]
             lambda: outbox.enqueue(conn, "orders", b"x", key=5),  # type: ignore[arg-type]
             lambda: outbox.Outbox(max_value_bytes=10).enqueue(conn, "orders", b"x" * 11),
             lambda: outbox.enqueue_many(
@@ -193,8 +202,11 @@ def test_idempotency_key_race_between_two_transactions(
             second = pool.submit(
                 outbox.enqueue, second_conn, "orders", b"second", idempotency_key="pay-9"
             )
-            wait_until(lambda: _backend_waiting_on_lock(database_url, name), timeout=10,
-                       what="the second enqueue to block on the first")
+            wait_until(
+                lambda: _backend_waiting_on_lock(database_url, name),
+                timeout=10,
+                what="the second enqueue to block on the first",
+            )
             assert not second.done()
             if first_commits:
                 first_conn.commit()

@@ -53,7 +53,8 @@ def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
     with psycopg.connect(database_url) as conn:
         conn.execute(
             "UPDATE outbox.messages SET state = 'pending', lease_owner = NULL, "
-            "lease_expires_at = NULL WHERE id = %s", (message_id,),
+            "lease_expires_at = NULL WHERE id = %s",
+            (message_id,),
         )
     new = PublisherStore(database_url, uuid.uuid4())
     new_batch = new.claim(limit=10, lease_seconds=30)
@@ -61,16 +62,23 @@ def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
     assert new_batch.messages[0].fence == old_batch.messages[0].fence + 1
     before = _row(database_url, message_id)
 
-    stale = Settlement(message_id, old_batch.messages[0].fence, State.DELIVERED, "delivered",
-                       partition=0, offset=123)
+    stale = Settlement(
+        message_id,
+        old_batch.messages[0].fence,
+        State.DELIVERED,
+        "delivered",
+        partition=0,
+        offset=123,
+    )
     assert old.settle(old_batch, [stale]) == set()
     assert _row(database_url, message_id) == before
     with psycopg.connect(database_url) as conn:
         attempts = conn.execute("SELECT count(*) FROM outbox.attempts").fetchone()
     assert attempts == (0,)
 
-    current = Settlement(message_id, new_batch.messages[0].fence, State.DELIVERED, "delivered",
-                         partition=2, offset=7)
+    current = Settlement(
+        message_id, new_batch.messages[0].fence, State.DELIVERED, "delivered", partition=2, offset=7
+    )
     assert new.settle(new_batch, [current]) == {message_id}
     assert _row(database_url, message_id)[:6] == ("delivered", 2, 2, None, 2, 7)
     old.close()
@@ -87,8 +95,9 @@ def test_settle_records_each_outcome_and_its_attempt(database_url: str) -> None:
     f = [m.fence for m in batch.messages]
     settlements = [
         Settlement(ids[0], f[0], State.DELIVERED, "delivered", partition=1, offset=5),
-        Settlement(ids[1], f[1], State.PENDING, "failed", retry_after=30, error="E1",
-                   send_began=False),
+        Settlement(
+            ids[1], f[1], State.PENDING, "failed", retry_after=30, error="E1", send_began=False
+        ),
         Settlement(ids[2], f[2], State.UNCERTAIN, "uncertain", partition=2, error="E2"),
         Settlement(ids[3], f[3], State.QUARANTINED, "failed", error="E3", send_began=False),
     ]

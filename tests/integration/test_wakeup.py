@@ -24,8 +24,9 @@ LONG_POLL = 60.0
 def running_publisher(database_url: str, kafka_bootstrap: str) -> Iterator[Publisher]:
     """A real publisher in a thread, polling only every minute."""
     publisher = build_publisher(
-        publisher_config(database_url, kafka_bootstrap, exit_when_idle=False,
-                         poll_interval=LONG_POLL)
+        publisher_config(
+            database_url, kafka_bootstrap, exit_when_idle=False, poll_interval=LONG_POLL
+        )
     )
     thread = threading.Thread(target=publisher.run, daemon=True)
     thread.start()
@@ -40,18 +41,27 @@ def _enqueue_and_time_delivery(database_url: str, topic: str) -> float:
     with psycopg.connect(database_url) as conn:
         outbox.enqueue(conn, topic, b"wake up")
     committed = time.monotonic()
-    wait_until(lambda: count_by_state(database_url).get("pending", 0) == 0
-               and count_by_state(database_url).get("delivered", 0) >= 1,
-               timeout=10, interval=0.01, what="delivery after commit")
+    wait_until(
+        lambda: (
+            count_by_state(database_url).get("pending", 0) == 0
+            and count_by_state(database_url).get("delivered", 0) >= 1
+        ),
+        timeout=10,
+        interval=0.01,
+        what="delivery after commit",
+    )
     return time.monotonic() - committed
 
 
 def _listener_backends(database_url: str) -> list[int]:
     with psycopg.connect(database_url) as conn:
-        return [pid for (pid,) in conn.execute(
-            "SELECT pid FROM pg_stat_activity "
-            "WHERE application_name = 'outbox-publisher listener' AND datname = current_database()"
-        )]
+        return [
+            pid
+            for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = 'outbox-publisher listener'"
+            )
+        ]
 
 
 def test_commit_wakes_the_publisher(
@@ -68,7 +78,10 @@ def test_listener_reconnects_after_its_connection_is_killed(
     [backend] = _listener_backends(database_url)
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("SELECT pg_terminate_backend(%s)", (backend,))
-    wait_until(lambda: _listener_backends(database_url) not in ([], [backend]), timeout=15,
-               what="a new listener connection")
+    wait_until(
+        lambda: _listener_backends(database_url) not in ([], [backend]),
+        timeout=15,
+        what="a new listener connection",
+    )
     wait_until(running_publisher.waker.listening.is_set, timeout=10, what="listening again")
     assert _enqueue_and_time_delivery(database_url, topic) < 5.0
