@@ -69,12 +69,12 @@ def services() -> Iterator[Services]:
         yield Services(url, bootstrap)
         return
     if _docker_answers():
-        from testcontainers.kafka import KafkaContainer  # noqa: PLC0415
-        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
+        from testcontainers.community.kafka import KafkaContainer  # noqa: PLC0415
+        from testcontainers.community.postgres import PostgresContainer  # noqa: PLC0415
 
         with (
             PostgresContainer("postgres:15", driver=None) as pg,
-            KafkaContainer("apache/kafka:4.1.0").with_kraft() as kafka,
+            KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft() as kafka,
         ):
             yield Services(pg.get_connection_url(), kafka.get_bootstrap_server())
         return
