@@ -97,5 +97,7 @@ def retry_delay(
     Exponential backoff with full jitter: uniform in ``[0, min(cap, base * 2**(attempt-1))]``,
     so that many publishers retrying at once spread out instead of colliding.
     """
-    ceiling = min(cap_seconds, base_seconds * 2 ** max(attempt - 1, 0))
+    # The exponent is clamped so that a message retried thousands of times
+    # cannot overflow a float; by then the cap applies anyway.
+    ceiling = min(cap_seconds, base_seconds * 2.0 ** min(max(attempt - 1, 0), 64))
     return (rng or random).uniform(0, ceiling)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 
@@ -20,7 +21,7 @@ def test_new_message_id_is_a_uuid_version_7_with_the_rfc_9562_variant() -> None:
 def test_consecutive_ids_are_strictly_increasing_and_unique() -> None:
     """20,000 ids made in a row sort in the order they were made, with no repeats."""
     ids = [new_message_id() for _ in range(20_000)]
-    assert all(a < b for a, b in zip(ids, ids[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(ids))
     assert len(set(ids)) == len(ids)
     assert all(i.version == 7 for i in ids)
 

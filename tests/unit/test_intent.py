@@ -231,7 +231,7 @@ def test_encode_headers(headers: Any, names: list[str], values: list[bytes]) -> 
 def test_encode_headers_refuses_with_a_message_naming_the_problem(
     headers: Any, fragment: str
 ) -> None:
-    """Malformed headers (bad name, value, item or container, the reserved id) raise InvalidHeaders."""
+    """Bad names, values, items or containers, and the reserved id, raise InvalidHeaders."""
     with pytest.raises(InvalidHeaders) as caught:
         encode_headers(headers)
     assert fragment in str(caught.value)
@@ -245,7 +245,7 @@ def _header_pairs(names: Iterable[str], values: Iterable[bytes]) -> list[tuple[s
 
 
 def test_build_intent_adds_json_content_type_for_json_values() -> None:
-    """A value the library serialised as JSON gets content-type: application/json after user headers."""
+    """A value serialised as JSON gets content-type: application/json after the user's headers."""
     intent = build_intent("orders", {"id": 1}, headers={"trace": "t"})
     assert intent.value == b'{"id":1}'
     assert _header_pairs(intent.header_names, intent.header_values) == [
@@ -297,7 +297,7 @@ def test_build_intent_accepts_a_value_of_exactly_the_maximum(
     [(b"x" * 11, 10), ({"a": 10}, len(b'{"a":1}')), ("é" * 5, 9)],
 )
 def test_build_intent_refuses_a_value_over_the_maximum(value: object, max_value_bytes: int) -> None:
-    """An encoded value one byte over max_value_bytes (counted after encoding) raises ValueTooLarge."""
+    """An encoded value one byte over max_value_bytes raises ValueTooLarge."""
     with pytest.raises(ValueTooLarge, match=f"maximum is {max_value_bytes}"):
         build_intent("orders", value, max_value_bytes=max_value_bytes)
 
@@ -319,7 +319,7 @@ def test_build_intent_gives_each_intent_a_distinct_id() -> None:
 
 
 def test_enqueue_many_validates_every_message_before_looking_at_the_connection() -> None:
-    """An invalid message raises InvalidMessage naming its position, before the connection is checked."""
+    """An invalid message raises InvalidMessage naming its position before conn is looked at."""
     messages = [Message("orders", {"id": 1}), Message("", {"id": 2})]
     with pytest.raises(InvalidMessage) as caught:
         Outbox().enqueue_many(object(), messages)
@@ -336,7 +336,7 @@ def test_enqueue_many_keeps_the_specific_error_type() -> None:
 
 
 def test_enqueue_many_with_valid_messages_refuses_an_unsupported_connection() -> None:
-    """Valid messages on something that is not a supported connection raise ConnectionNotSupported."""
+    """Valid messages with an unsupported connection object raise ConnectionNotSupported."""
     with pytest.raises(ConnectionNotSupported, match=r"got builtins\.object"):
         Outbox().enqueue_many(object(), [Message("orders", {"id": 1})])
 

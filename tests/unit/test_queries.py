@@ -81,11 +81,11 @@ def test_shipped_queries_define_every_name_the_code_uses(name: str) -> None:
 
 
 def test_every_query_call_in_the_code_names_a_shipped_query() -> None:
-    """Every literal query("...") in outbox/ and publisher/ names a statement queries.sql defines."""
+    """Every literal query("...") in outbox/ and publisher/ names a statement of queries.sql."""
     call = re.compile(r"""\bquery\(\s*["'](\w+)["']\s*\)""")
     used: set[str] = set()
     for package in (outbox, publisher):
-        for source in Path(package.__file__).parent.glob("*.py"):
+        for source in Path(str(package.__file__)).parent.glob("*.py"):
             used.update(call.findall(source.read_text(encoding="utf-8")))
     assert set(USED_NAMES) <= used
     assert used <= set(_shipped())

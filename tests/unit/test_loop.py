@@ -1,0 +1,398 @@
+"""The publisher loop (publisher/loop.py) against a fake store and a fake sink.
+
+The fakes record every call in one shared event list, so the tests can check
+what happened and in which order (e.g. the producer is discarded before the
+outcome is recorded).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kafka import errors as kafka_errors
+
+from outbox.ids import new_message_id
+from outbox.states import State
+from publisher.config import PublisherConfig
+from publisher.loop import Publisher
+from publisher.partitioning import partition_for
+from publisher.sink import OutgoingRecord, SendReport
+from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
+from publisher.waker import Waker
+
+CONFIG = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
+
+
+class FakeStore(PublisherStore):
+    """A PublisherStore that never connects: claims come from a list, settles are recorded."""
+
+    def __init__(self, events: list[str], batches: Sequence[Batch | None] = ()) -> None:
+        super().__init__("postgresql://unused", uuid.uuid4())
+        self.events = events
+        self.batches = list(batches)
+        self.settled: list[list[Settlement]] = []
+        #: Ids that the settle statement "did not change" (a stale fence).
+        self.stale_ids: set[uuid.UUID] = set()
+        self.registered: list[tuple[str, int]] = []
+        self.next_available: float | None = None
+
+    @property
+    def conn(self) -> Any:
+        """A unit test never reaches the database."""
+        raise AssertionError("the fake store has no database connection")
+
+    def close(self) -> None:
+        """Record the close."""
+        self.events.append("store.close")
+
+    def register(self, version: str, pid: int) -> None:
+        """Record the registration."""
+        self.events.append("register")
+        self.registered.append((version, pid))
+
+    def heartbeat(self) -> None:
+        """Record the heartbeat."""
+        self.events.append("heartbeat")
+
+    def mark_stopped(self) -> None:
+        """Record the clean stop."""
+        self.events.append("mark_stopped")
+
+    def claim(self, limit: int, lease_seconds: float) -> Batch | None:
+        """Hand out the next prepared batch, then None."""
+        self.events.append("claim")
+        return self.batches.pop(0) if self.batches else None
+
+    def settle(self, batch: Batch, settlements: Sequence[Settlement]) -> set[uuid.UUID]:
+        """Record the settlements; report every id changed except the stale ones."""
+        self.events.append("settle")
+        self.settled.append(list(settlements))
+        return {s.message_id for s in settlements} - self.stale_ids
+
+    def seconds_until_available(self) -> float | None:
+        """The prepared answer (None: nothing pending)."""
+        self.events.append("seconds_until_available")
+        return self.next_available
+
+
+class FakeSink:
+    """A Sink that records what it is asked to send and answers from a table."""
+
+    def __init__(self, events: list[str], partitions: dict[str, int] | None = None) -> None:
+        self.events = events
+        #: Partition count per topic; a topic missing here cannot be described.
+        self.partitions = partitions if partitions is not None else {"orders": 3}
+        #: The report for a message id; any other record is confirmed at its partition.
+        self.reports: dict[uuid.UUID, SendReport] = {}
+        self.sent: list[OutgoingRecord] = []
+        self.batches_sent = 0
+        self._next_offset = 100
+
+    def partition_count(self, topic: str) -> int:
+        """The configured partition count, or the error Kafka gives for an unknown topic."""
+        self.events.append(f"partition_count:{topic}")
+        if topic not in self.partitions:
+            raise kafka_errors.UnknownTopicOrPartitionError(f"topic {topic!r} has no partitions")
+        return self.partitions[topic]
+
+    def send_batch(self, records: Sequence[OutgoingRecord]) -> list[SendReport]:
+        """Record the records and report on each, in order."""
+        self.events.append("send_batch")
+        self.batches_sent += 1
+        self.sent.extend(records)
+        result = []
+        for r in records:
+            report = self.reports.get(r.message_id)
+            if report is None:
+                report = SendReport(r.partition, self._next_offset, None, handed_to_producer=True)
+                self._next_offset += 1
+            result.append(report)
+        return result
+
+    def discard_producer(self) -> None:
+        """Record the discard."""
+        self.events.append("discard_producer")
+
+    def close(self) -> None:
+        """Record the close."""
+        self.events.append("sink.close")
+
+
+def _message(
+    topic: str = "orders",
+    *,
+    key: bytes | None = b"customer-7",
+    headers: list[tuple[str, bytes]] | None = None,
+    fence: int = 1,
+    attempt: int = 1,
+) -> ClaimedMessage:
+    return ClaimedMessage(
+        id=new_message_id(),
+        topic=topic,
+        key=key,
+        value=b'{"id":1}',
+        headers=headers if headers is not None else [],
+        fence=fence,
+        attempt=attempt,
+    )
+
+
+def _batch(*messages: ClaimedMessage) -> Batch:
+    return Batch(list(messages), claimed_at=datetime(2025, 1, 1, tzinfo=UTC))
+
+
+def _publisher(
+    store: FakeStore, sink: FakeSink, config: PublisherConfig = CONFIG, **kwargs: Any
+) -> Publisher:
+    clock: Callable[[], float] = kwargs.pop("clock", lambda: 1_000.0)
+    return Publisher(config, store, sink, Waker(None), clock=clock, **kwargs)
+
+
+def _setup(
+    *messages: ClaimedMessage, partitions: dict[str, int] | None = None
+) -> tuple[list[str], FakeStore, FakeSink, Publisher]:
+    events: list[str] = []
+    store = FakeStore(events, [_batch(*messages)])
+    sink = FakeSink(events, partitions)
+    return events, store, sink, _publisher(store, sink)
+
+
+def test_run_once_settles_every_outcome_in_batch_order() -> None:
+    """Confirmed, refused, uncertain and too-large records settle once, in order, as designed."""
+    ok, refused, unknown, too_large = (_message(attempt=2) for _ in range(4))
+    _, store, sink, publisher = _setup(ok, refused, unknown, too_large)
+    sink.reports = {
+        refused.id: SendReport(
+            None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
+        ),
+        unknown.id: SendReport(
+            None, None, kafka_errors.KafkaTimeoutError("Expiring 1 record(s)"), True
+        ),
+        too_large.id: SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True),
+    }
+
+    assert publisher.run_once() == 4
+
+    assert len(store.settled) == 1
+    settled = store.settled[0]
+    assert [s.message_id for s in settled] == [ok.id, refused.id, unknown.id, too_large.id]
+    assert [s.state for s in settled] == [
+        State.DELIVERED,
+        State.PENDING,
+        State.UNCERTAIN,
+        State.QUARANTINED,
+    ]
+    assert [s.attempt_outcome for s in settled] == ["delivered", "failed", "uncertain", "failed"]
+    assert [s.send_began for s in settled] == [True, False, True, True]
+    assert all(s.fence == 1 for s in settled)
+
+    delivered, pending, uncertain, quarantined = settled
+    expected_partition = partition_for(ok.key, ok.id, 3)
+    assert (delivered.partition, delivered.offset, delivered.error) == (
+        expected_partition,
+        100,
+        None,
+    )
+    # Backoff of attempt 2: full jitter in (0, base * 2].
+    assert 0 < pending.retry_after <= CONFIG.retry_base_seconds * 2
+    assert pending.error is not None
+    assert pending.error.startswith("KafkaTimeoutError: ")
+    assert uncertain.retry_after == 0.0
+    assert uncertain.offset is None
+    assert uncertain.partition == partition_for(unknown.key, unknown.id, 3)
+    assert quarantined.error is not None
+    assert quarantined.error.startswith("MessageSizeTooLargeError")
+
+    t = publisher.totals
+    assert (t.batches, t.delivered, t.retried, t.uncertain, t.quarantined, t.stale) == (
+        1,
+        1,
+        1,
+        1,
+        1,
+        0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("report", "discarded"),
+    [
+        (SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True), True),
+        (SendReport(None, None, kafka_errors.RequestTimedOutError(), True), True),
+        (SendReport(None, None, kafka_errors.NotEnoughReplicasAfterAppendError(), True), True),
+        (SendReport(None, None, kafka_errors.KafkaTimeoutError("metadata"), False), False),
+        (SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True), False),
+        (None, False),
+    ],
+    ids=["expired", "request-timeout", "not-enough-replicas", "refused", "too-large", "all-ok"],
+)
+def test_producer_is_discarded_before_settling_only_after_an_uncertain_outcome(
+    report: SendReport | None, discarded: bool
+) -> None:
+    """discard_producer runs before settle when an outcome is uncertain, and never otherwise."""
+    first, second = _message(), _message()
+    events, _, sink, publisher = _setup(first, second)
+    if report is not None:
+        sink.reports[second.id] = report
+
+    publisher.run_once()
+
+    assert ("discard_producer" in events) is discarded
+    if discarded:
+        assert events.count("discard_producer") == 1
+        assert events.index("send_batch") < events.index("discard_producer")
+        assert events.index("discard_producer") < events.index("settle")
+
+
+def test_records_carry_the_outbox_id_header_after_the_users_and_the_chosen_partition() -> None:
+    """Each record has the user's headers then ('outbox-id', id), and partition_for's partition."""
+    keyed = _message(key=b"customer-7", headers=[("trace", b"t1"), ("content-type", b"x")])
+    unkeyed = _message(key=None, headers=[])
+    repeated = _message(key=b"key-3", headers=[("tag", b"a"), ("tag", b"b")])
+    _, _, sink, publisher = _setup(keyed, unkeyed, repeated, partitions={"orders": 7})
+
+    publisher.run_once()
+
+    assert [r.message_id for r in sink.sent] == [keyed.id, unkeyed.id, repeated.id]
+    for message, record in zip([keyed, unkeyed, repeated], sink.sent, strict=True):
+        assert record.headers == [*message.headers, ("outbox-id", str(message.id).encode())]
+        assert record.partition == partition_for(message.key, message.id, 7)
+        assert (record.topic, record.key, record.value) == (
+            message.topic,
+            message.key,
+            message.value,
+        )
+    assert sink.sent[0].partition == 6  # "customer-7" over 7 partitions, as the Java client
+
+
+def test_a_topic_that_cannot_be_described_is_not_sent_but_others_are() -> None:
+    """Messages of a topic that cannot be described go back to pending unsent; others are sent."""
+    a = _message("orders")
+    lost1 = _message("missing")
+    b = _message("orders")
+    lost2 = _message("missing")
+    _, store, sink, publisher = _setup(a, lost1, b, lost2, partitions={"orders": 3})
+
+    publisher.run_once()
+
+    assert [r.message_id for r in sink.sent] == [a.id, b.id]
+    settled = {s.message_id: s for s in store.settled[0]}
+    assert [s.message_id for s in store.settled[0]] == [a.id, lost1.id, b.id, lost2.id]
+    for lost in (lost1, lost2):
+        s = settled[lost.id]
+        assert (s.state, s.attempt_outcome, s.send_began, s.partition) == (
+            State.PENDING,
+            "failed",
+            False,
+            None,
+        )
+        assert s.retry_after > 0
+        assert s.error is not None
+        assert "UnknownTopicOrPartitionError" in s.error
+    assert settled[a.id].state is State.DELIVERED
+    assert settled[b.id].state is State.DELIVERED
+    assert publisher.totals.retried == 2
+
+
+def test_a_batch_whose_only_topic_cannot_be_described_sends_nothing() -> None:
+    """When no record of the batch can be sent, the sink is not asked to send an empty batch."""
+    lost = _message("missing")
+    events, store, _, publisher = _setup(lost, partitions={})
+
+    publisher.run_once()
+
+    assert "send_batch" not in events
+    assert [s.state for s in store.settled[0]] == [State.PENDING]
+
+
+def test_a_stop_requested_before_the_claim_releases_the_batch_unsent() -> None:
+    """After request_stop, a claimed batch is released as pending, abandoned, never sent."""
+    messages = [_message(), _message(key=None)]
+    events, store, sink, publisher = _setup(*messages)
+
+    publisher.request_stop()
+    assert publisher.run_once() == 2
+
+    assert sink.sent == []
+    assert "send_batch" not in events
+    assert len(store.settled) == 1
+    for message, s in zip(messages, store.settled[0], strict=True):
+        assert s.message_id == message.id
+        assert s.fence == message.fence
+        assert (s.state, s.attempt_outcome, s.send_began) == (State.PENDING, "abandoned", False)
+    assert publisher.totals.released == 2
+
+
+def test_run_once_without_work_claims_and_does_nothing_else() -> None:
+    """When the claim finds nothing, run_once returns 0 without sending or settling."""
+    events: list[str] = []
+    store, sink = FakeStore(events, []), FakeSink(events)
+
+    assert _publisher(store, sink).run_once() == 0
+    assert events == ["claim"]
+
+
+def test_run_exits_when_idle_after_registering_and_records_the_stop() -> None:
+    """With exit_when_idle and nothing pending, run registers, returns, marks stopped and closes."""
+    events: list[str] = []
+    store, sink = FakeStore(events, []), FakeSink(events)
+    publisher = _publisher(
+        store, sink, replace(CONFIG, exit_when_idle=True), version="1.2.3", pid=4321
+    )
+
+    totals = publisher.run()
+
+    assert store.registered == [("1.2.3", 4321)]
+    assert events[0] == "register"
+    assert "claim" in events
+    assert "seconds_until_available" in events
+    assert events.count("sink.close") == 1
+    assert events.count("mark_stopped") == 1
+    assert events.index("mark_stopped") > events.index("seconds_until_available")
+    assert events[-1] == "store.close"
+    assert totals.batches == 0
+
+
+def test_run_delivers_then_exits_when_idle() -> None:
+    """run keeps claiming while batches come and exits once the store is idle."""
+    events: list[str] = []
+    store = FakeStore(events, [_batch(_message()), _batch(_message(), _message())])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, replace(CONFIG, exit_when_idle=True))
+
+    totals = publisher.run()
+
+    assert (totals.batches, totals.delivered) == (2, 3)
+    assert events.count("claim") == 3
+    assert len(sink.sent) == 3
+
+
+def test_a_settlement_the_store_did_not_apply_counts_as_stale() -> None:
+    """An id missing from settle's result is counted in totals.stale, not as delivered."""
+    kept, lost = _message(), _message()
+    _, store, _, publisher = _setup(kept, lost)
+    store.stale_ids = {lost.id}
+
+    publisher.run_once()
+
+    assert (publisher.totals.stale, publisher.totals.delivered) == (1, 1)
+
+
+def test_a_message_refused_on_a_very_late_attempt_is_still_settled() -> None:
+    """A message refused on its 1,100th attempt is settled pending with a capped delay."""
+    late = _message(attempt=1_100)
+    _, store, sink, publisher = _setup(late)
+    sink.reports[late.id] = SendReport(
+        None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
+    )
+
+    publisher.run_once()
+
+    (settlement,) = store.settled[0]
+    assert settlement.state is State.PENDING
+    assert 0 <= settlement.retry_after <= CONFIG.retry_cap_seconds
