@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
@@ -121,3 +127,35 @@ def count_by_state(database_url: str) -> dict[str, int]:
     with psycopg.connect(database_url) as conn:
         rows = conn.execute("SELECT state, count(*) FROM outbox.messages GROUP BY state").fetchall()
     return dict(rows)
+
+
+def start_publisher(
+    database_url: str, kafka_bootstrap: str, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Start the installed ``outbox-publisher`` script as a separate process."""
+    script = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
+    assert script is not None, "outbox-publisher is not installed next to this Python"
+    return subprocess.Popen(
+        [script, *flags],
+        env={
+            **os.environ,
+            "OUTBOX_DATABASE_URL": database_url,
+            "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            **(env or {}),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop_process(process: subprocess.Popen[str], sig: signal.Signals, *, timeout: float) -> str:
+    """Send ``sig``, wait for the exit and return stderr; kill the process if it hangs."""
+    try:
+        process.send_signal(sig)
+        _, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return stderr

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import psycopg
 import pytest
 
 import outbox
-from tests.support import count_by_state, read_topic, wait_until
+from tests.support import (
+    count_by_state,
+    read_topic,
+    start_publisher,
+    stop_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.acceptance
-
-SCRIPT = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
-
-
-def _start(database_url: str, kafka_bootstrap: str, *flags: str) -> subprocess.Popen[str]:
-    assert SCRIPT is not None, "outbox-publisher is not installed next to this Python"
-    env = {
-        **os.environ,
-        "OUTBOX_DATABASE_URL": database_url,
-        "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
-    }
-    return subprocess.Popen(
-        [SCRIPT, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
 
 
 def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
@@ -41,18 +28,13 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
         outbox.enqueue_many(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 50}") for i in range(total)]
         )
-    process = _start(database_url, kafka_bootstrap, "--batch-size", "200")
-    try:
-        wait_until(
-            lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
-            timeout=60,
-            what="the publisher to deliver its first batches",
-        )
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    process = start_publisher(database_url, kafka_bootstrap, "--batch-size", "200")
+    wait_until(
+        lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
+        timeout=60,
+        what="the publisher to deliver its first batches",
+    )
+    stderr = stop_process(process, signal.SIGTERM, timeout=60)
     assert process.returncode == 0, stderr
     assert "SIGTERM received" in stderr
     assert "stopped:" in stderr
@@ -81,7 +63,7 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     assert {r.outbox_id: (r.partition, r.offset) for r in records} == stored
 
     # A second publisher delivers the rest and exits by itself.
-    finisher = _start(database_url, kafka_bootstrap, "--exit-when-idle")
+    finisher = start_publisher(database_url, kafka_bootstrap, "--exit-when-idle")
     _, stderr = finisher.communicate(timeout=120)
     assert finisher.returncode == 0, stderr
     assert count_by_state(database_url) == {"delivered": total}
@@ -92,14 +74,9 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
 
 def test_idle_publisher_exits_promptly_on_sigint(database_url: str, kafka_bootstrap: str) -> None:
     """A publisher waiting for work stops on SIGINT without waiting for its poll interval."""
-    process = _start(database_url, kafka_bootstrap, "--poll-interval", "300")
-    try:
-        wait_until(lambda: _registered(database_url), timeout=30, what="registration")
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=15)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    process = start_publisher(database_url, kafka_bootstrap, "--poll-interval", "300")
+    wait_until(lambda: _registered(database_url), timeout=30, what="registration")
+    stderr = stop_process(process, signal.SIGINT, timeout=15)
     assert process.returncode == 0, stderr
     assert "SIGINT received" in stderr
 
@@ -112,7 +89,7 @@ def _registered(database_url: str) -> bool:
 
 def test_bad_configuration_is_refused_with_every_problem_named() -> None:
     """Invalid settings exit 2 and list each problem, before connecting to anything."""
-    process = _start("mysql://x", "no-port", "--batch-size", "0", "--lease-seconds", "5")
+    process = start_publisher("mysql://x", "no-port", "--batch-size", "0", "--lease-seconds", "5")
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 2
     assert "must start with postgresql://" in stderr
