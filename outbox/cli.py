@@ -1,8 +1,9 @@
 """The ``outbox`` command: operator tools for the outbox tables.
 
 Exit codes: 0 when the command succeeded and, for ``status``, when nothing
-needs an operator; 1 when ``status`` finds messages that need action; 2 when
-the command could not run (bad usage, unreachable or unmigrated database).
+needs an operator; 1 when ``status`` finds messages that need action or
+``reconcile`` leaves messages uncertain; 2 when the command could not run
+(bad usage, a refused decision, an unreachable or unmigrated database).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 
 import psycopg
@@ -18,6 +20,8 @@ import psycopg.errors
 
 from outbox.errors import OutboxError
 from outbox.migrations import current_version, migrate
+from outbox.operator import Resolution, operator_name, resolve
+from outbox.states import State
 from outbox.status import StateCount, read_status
 
 EXIT_OK = 0
@@ -51,6 +55,41 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help='print {"counts": {state: n}, "states": [...], "healthy": bool}',
     )
+    reconcile = commands.add_parser(
+        "reconcile",
+        help="recover expired leases and decide uncertain messages from Kafka; "
+        "exits 1 if some stay uncertain",
+        description="Move in-flight messages whose lease expired (by their evidence), then look "
+        "for every uncertain message whose producer can no longer write in its Kafka partition: "
+        "found -> delivered, proven absent -> pending, evidence gone -> escalated to you. "
+        "Publishers do this on their own at an interval; this runs one pass now.",
+    )
+    reconcile.add_argument(
+        "--kafka-bootstrap",
+        default=os.environ.get("OUTBOX_KAFKA_BOOTSTRAP"),
+        help="Kafka bootstrap servers, host:port[,...] (default: $OUTBOX_KAFKA_BOOTSTRAP)",
+    )
+    resolve_cmd = commands.add_parser(
+        "resolve",
+        help="decide an uncertain or quarantined message by hand, with a reason",
+        description="Record an operator's decision on one uncertain (or quarantined) message. "
+        "--delivered: it is in Kafka, do not send it; --pending: send it (again; a consumer may "
+        "see it twice if it was in Kafka after all); --discard: never deliver it.",
+    )
+    resolve_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
+    decision = resolve_cmd.add_mutually_exclusive_group(required=True)
+    decision.add_argument(
+        "--delivered", dest="resolution", action="store_const", const=Resolution.DELIVERED
+    )
+    decision.add_argument(
+        "--pending", dest="resolution", action="store_const", const=Resolution.PENDING
+    )
+    decision.add_argument(
+        "--discard", dest="resolution", action="store_const", const=Resolution.DISCARD
+    )
+    resolve_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
+    resolve_cmd.add_argument("--partition", type=int, help="with --delivered: where it is")
+    resolve_cmd.add_argument("--offset", type=int, help="with --delivered: its offset")
     return parser
 
 
@@ -91,6 +130,83 @@ def _status_table(lines: list[StateCount]) -> str:
     )
 
 
+def _migrate(args: argparse.Namespace) -> int:
+    applied = migrate(args.database_url)
+    with psycopg.connect(args.database_url) as conn:
+        version = current_version(conn)
+    names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"
+    print(f"schema at version {version}; applied now: {names}")
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        lines = read_status(conn)
+    print(_status_json(lines) if args.json else _status_table(lines))
+    return EXIT_OK if all(line.healthy for line in lines) else EXIT_ACTION_NEEDED
+
+
+def _reconcile(args: argparse.Namespace) -> int:
+    if not args.kafka_bootstrap:
+        raise OutboxError("no Kafka: pass --kafka-bootstrap or set OUTBOX_KAFKA_BOOTSTRAP")
+    # The reconciler reads Kafka, which is the publisher's side of the package.
+    from publisher.reconciler import Reconciler  # noqa: PLC0415
+    from publisher.scanner import KafkaLogScanner  # noqa: PLC0415
+    from publisher.store import PublisherStore  # noqa: PLC0415
+
+    store = PublisherStore(args.database_url, uuid.uuid4())
+    scanner = KafkaLogScanner(args.kafka_bootstrap)
+    try:
+        moved = store.recover_expired_leases()
+        to_pending = sum(1 for state in moved.values() if state is State.PENDING)
+        print(
+            f"expired leases recovered: {len(moved)} "
+            f"({to_pending} pending, {len(moved) - to_pending} uncertain)"
+        )
+        reconciler = Reconciler(store, scanner, f"{operator_name()} (outbox reconcile)")
+        while True:
+            report = reconciler.run_once()
+            print(
+                f"reconciled: {len(report.delivered)} delivered, {len(report.pending)} pending "
+                f"(proven absent), {len(report.escalated)} escalated, "
+                f"{len(report.deferred)} deferred"
+            )
+            if report.decided < reconciler.limit:
+                break
+        with psycopg.connect(args.database_url) as conn:
+            left = {line.state: line.messages for line in read_status(conn)}[State.UNCERTAIN]
+    finally:
+        scanner.close()
+        store.close()
+    if left:
+        print(
+            f"{left} message(s) still uncertain: see last_error; decide with outbox resolve "
+            "or wait for their producer's write deadline"
+        )
+        return EXIT_ACTION_NEEDED
+    return EXIT_OK
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        try:
+            before = resolve(
+                conn,
+                args.message_id,
+                args.resolution,
+                args.reason,
+                partition=args.partition,
+                offset=args.offset,
+            )
+        except ValueError as exc:
+            raise OutboxError(str(exc)) from exc
+    print(f"message {args.message_id}: {before.value} -> {args.resolution.value} ({args.reason})")
+    return EXIT_OK
+
+
+COMMANDS = {"migrate": _migrate, "status": _status, "reconcile": _reconcile, "resolve": _resolve}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``outbox`` command; return its exit code."""
     parser = _parser()
@@ -98,17 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.database_url:
         parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
     try:
-        if args.command == "migrate":
-            applied = migrate(args.database_url)
-            with psycopg.connect(args.database_url) as conn:
-                version = current_version(conn)
-            names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"
-            print(f"schema at version {version}; applied now: {names}")
-            return EXIT_OK
-        with psycopg.connect(args.database_url) as conn:
-            lines = read_status(conn)
-        print(_status_json(lines) if args.json else _status_table(lines))
-        return EXIT_OK if all(line.healthy for line in lines) else EXIT_ACTION_NEEDED
+        return COMMANDS[args.command](args)
     except psycopg.errors.UndefinedTable as exc:
         print(
             f"outbox: the outbox tables are missing ({exc}); run `outbox migrate`", file=sys.stderr

@@ -17,8 +17,9 @@ FROM outbox.messages
 WHERE idempotency_key = ANY(%(keys)s::text[])
 
 -- name: claim_batch
--- Lease the next pending messages to one publisher, oldest first. SKIP LOCKED
--- lets publishers claim side by side; every claim raises the row's fence.
+-- Lease the next pending messages to one publisher, oldest first, and record
+-- the claim as a batch (only when something was claimed). SKIP LOCKED lets
+-- publishers claim side by side; every claim raises the row's fence.
 WITH next AS (
     SELECT id
     FROM outbox.messages
@@ -26,6 +27,10 @@ WITH next AS (
     ORDER BY seq
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), batch AS (
+    INSERT INTO outbox.batches (publisher_id)
+    SELECT %(owner)s WHERE EXISTS (SELECT 1 FROM next)
+    RETURNING id, claimed_at
 ), claimed AS (
     UPDATE outbox.messages AS m
     SET state = 'in_flight',
@@ -33,20 +38,55 @@ WITH next AS (
         lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
         fence = m.fence + 1,
         attempts = m.attempts + 1,
+        batch_id = (SELECT id FROM batch),
         updated_at = now()
     FROM next
     WHERE m.id = next.id
     RETURNING m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values,
               m.fence, m.attempts
 )
-SELECT id, topic, key, value, header_names, header_values, fence, attempts, now()
-FROM claimed
-ORDER BY seq
+SELECT c.id, c.topic, c.key, c.value, c.header_names, c.header_values, c.fence, c.attempts,
+       b.id, b.claimed_at
+FROM claimed AS c CROSS JOIN batch AS b
+ORDER BY c.seq
+
+-- name: lock_batch
+-- First half of marking a batch as sending: wait for anyone (recovery) that
+-- holds the batch row, so that the next statement sees what they did.
+SELECT id FROM outbox.batches WHERE id = %(batch_id)s FOR UPDATE
+
+-- name: mark_sending
+-- Second half, same transaction, fresh snapshot: record that sending begins
+-- and return the messages of the batch this publisher still holds. Recovery
+-- locks the batch row too, so it either ran before (and those messages are not
+-- returned) or runs after and sees send_began_at.
+WITH held AS (
+    SELECT id
+    FROM outbox.messages
+    WHERE batch_id = %(batch_id)s AND state = 'in_flight' AND lease_owner = %(owner)s
+      AND lease_expires_at > now()
+), marked AS (
+    UPDATE outbox.batches
+    SET send_began_at = clock_timestamp(),
+        write_deadline = clock_timestamp() + make_interval(secs => %(longest_send_seconds)s),
+        partition_counts = %(partition_counts)s,
+        confirmed_offsets = (
+            SELECT coalesce(jsonb_object_agg(topic, offsets), '{}')
+            FROM (SELECT topic, jsonb_object_agg(kafka_partition::text, confirmed_offset) AS offsets
+                  FROM outbox.partition_offsets
+                  WHERE topic = ANY(%(topics)s::text[])
+                  GROUP BY topic) AS per_topic
+        )
+    WHERE id = %(batch_id)s AND EXISTS (SELECT 1 FROM held)
+)
+SELECT id FROM held
 
 -- name: settle_batch
 -- Record the outcome of every message of a batch in one statement, together
--- with its attempt record. Only rows still in flight under the same fence
--- change: a publisher that lost its lease changes nothing.
+-- with its attempt record and the highest confirmed offset per partition.
+-- Only rows still in flight under the same fence change: a publisher that
+-- lost its lease changes nothing. An uncertain message waits until the
+-- producer that sent it can no longer write before it is reconciled.
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[], %(states)s::text[],
@@ -54,47 +94,249 @@ WITH outcome AS (
                 %(retry_after)s::float8[], %(errors)s::text[], %(send_began)s::boolean[])
          AS o(id, fence, state, outcome, kafka_partition, kafka_offset,
               retry_after, error, send_began)
+), batch AS (
+    UPDATE outbox.batches SET settled_at = now()
+    WHERE id = %(batch_id)s
+    RETURNING claimed_at, write_deadline
 ), settled AS (
     UPDATE outbox.messages AS m
     SET state = o.state,
         kafka_partition = o.kafka_partition,
         kafka_offset = o.kafka_offset,
         delivered_at = CASE WHEN o.state = 'delivered' THEN now() END,
-        available_at = CASE WHEN o.state = 'pending'
-                            THEN now() + make_interval(secs => o.retry_after)
-                            ELSE m.available_at END,
+        available_at = CASE o.state
+                           WHEN 'pending' THEN now() + make_interval(secs => o.retry_after)
+                           WHEN 'uncertain' THEN greatest(now(), (SELECT write_deadline FROM batch))
+                           ELSE m.available_at END,
         last_error = o.error,
         lease_owner = NULL,
         lease_expires_at = NULL,
         updated_at = now()
     FROM outcome AS o
     WHERE m.id = o.id AND m.fence = o.fence AND m.state = 'in_flight'
-    RETURNING m.id, m.attempts, o.fence, o.outcome, o.error, o.send_began,
+    RETURNING m.id, m.topic, m.attempts, o.fence, o.outcome, o.error, o.send_began,
               o.kafka_partition, o.kafka_offset
 ), recorded AS (
     INSERT INTO outbox.attempts
         (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
-         outcome, error, kafka_partition, kafka_offset)
-    SELECT id, attempts, %(publisher)s, fence, %(started_at)s, send_began, now(),
-           outcome, error, kafka_partition, kafka_offset
+         outcome, error, kafka_partition, kafka_offset, batch_id)
+    SELECT id, attempts, %(publisher)s, fence, (SELECT claimed_at FROM batch), send_began, now(),
+           outcome, error, kafka_partition, kafka_offset, %(batch_id)s
     FROM settled
+), confirmed AS (
+    INSERT INTO outbox.partition_offsets AS po (topic, kafka_partition, confirmed_offset)
+    SELECT topic, kafka_partition, max(kafka_offset)
+    FROM settled
+    WHERE outcome = 'delivered'
+    GROUP BY topic, kafka_partition
+    ON CONFLICT (topic, kafka_partition) DO UPDATE
+    SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
+        updated_at = now()
 )
 SELECT id FROM settled
 
--- name: seconds_until_available
--- Seconds until the earliest pending message becomes claimable (zero or less:
--- claimable now); NULL when no message is pending. Measured by the database
--- clock, the same clock that set available_at.
-SELECT extract(epoch FROM min(available_at) - clock_timestamp())::float8
-FROM outbox.messages
-WHERE state = 'pending'
+-- name: recover_expired_leases
+-- Move messages whose lease expired, by the evidence of their batch: nothing
+-- was sent (send_began_at is NULL) -> pending; sending may have begun ->
+-- uncertain. Each gets an 'abandoned' attempt saying why. The batch rows are
+-- locked with the messages (see mark_sending); locked rows are left for the
+-- next pass.
+WITH expired AS (
+    SELECT m.id, m.fence, m.attempts, m.lease_owner, m.lease_expires_at, m.batch_id,
+           b.claimed_at, b.send_began_at, b.write_deadline, p.heartbeat_at
+    FROM outbox.messages AS m
+    JOIN outbox.batches AS b ON b.id = m.batch_id
+    LEFT JOIN outbox.publishers AS p ON p.id = m.lease_owner
+    WHERE m.state = 'in_flight' AND m.lease_expires_at < now()
+    ORDER BY m.seq
+    LIMIT %(limit)s
+    FOR UPDATE OF m, b SKIP LOCKED
+), decided AS (
+    SELECT e.*,
+           CASE WHEN e.send_began_at IS NULL THEN 'pending' ELSE 'uncertain' END AS next_state,
+           format('lease of publisher %%s expired at %%s (last heartbeat %%s); %%s',
+                  e.lease_owner, e.lease_expires_at, coalesce(e.heartbeat_at::text, 'never'),
+                  CASE WHEN e.send_began_at IS NULL
+                       THEN 'sending had not begun, so nothing was sent'
+                       ELSE format('sending began at %%s, so the record may be in Kafka',
+                                   e.send_began_at) END) AS reason
+    FROM expired AS e
+), moved AS (
+    UPDATE outbox.messages AS m
+    SET state = d.next_state,
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        available_at = CASE WHEN d.next_state = 'pending' THEN now()
+                            ELSE greatest(now(), d.write_deadline) END,
+        last_error = d.reason,
+        updated_at = now()
+    FROM decided AS d
+    WHERE m.id = d.id
+    RETURNING m.id
+), recorded AS (
+    INSERT INTO outbox.attempts
+        (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
+         outcome, error, batch_id)
+    SELECT id, attempts, lease_owner, fence, claimed_at, send_began_at IS NOT NULL, now(),
+           'abandoned', reason, batch_id
+    FROM decided
+    ON CONFLICT (message_id, attempt) DO NOTHING
+)
+SELECT d.id, d.next_state FROM decided AS d JOIN moved USING (id)
+
+-- name: recover_unrecorded_leases
+-- Messages in flight with an expired lease and no batch (rows written by an
+-- older version or edited by hand): whether sending began is unknown, so they
+-- become uncertain, with a legacy attempt that records what is known.
+WITH expired AS (
+    SELECT m.id, m.fence, m.attempts, m.lease_owner, m.lease_expires_at, m.updated_at
+    FROM outbox.messages AS m
+    WHERE m.state = 'in_flight' AND m.lease_expires_at < now()
+      AND (m.batch_id IS NULL
+           OR NOT EXISTS (SELECT 1 FROM outbox.batches AS b WHERE b.id = m.batch_id))
+    ORDER BY m.seq
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE outbox.messages AS m
+    SET state = 'uncertain',
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        available_at = now(),
+        last_error = format('legacy: in flight under publisher %%s with no attempt record; '
+                            'lease expired at %%s; whether sending began is unknown',
+                            e.lease_owner, e.lease_expires_at),
+        updated_at = now()
+    FROM expired AS e
+    WHERE m.id = e.id
+    RETURNING m.id, m.last_error
+), recorded AS (
+    INSERT INTO outbox.attempts
+        (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
+         outcome, error)
+    SELECT e.id, e.attempts, e.lease_owner, e.fence, e.updated_at, true, now(),
+           'abandoned', mv.last_error
+    FROM expired AS e JOIN moved AS mv USING (id)
+    ON CONFLICT (message_id, attempt) DO NOTHING
+)
+SELECT id, 'uncertain' FROM moved
+
+-- name: uncertain_due
+-- Uncertain messages whose producer can no longer write, with the evidence
+-- of their batch, for the reconciler.
+SELECT m.id, m.topic, m.key, m.fence, m.kafka_partition, b.partition_counts,
+       b.confirmed_offsets
+FROM outbox.messages AS m
+LEFT JOIN outbox.batches AS b ON b.id = m.batch_id
+WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now()
+ORDER BY m.seq
+LIMIT %(limit)s
+
+-- name: decide_uncertain
+-- Apply the reconciler's decisions, each with its evidence, in one statement.
+-- to_state 'uncertain' escalates: the evidence is gone and an operator decides.
+WITH d AS (
+    SELECT *
+    FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[], %(to_states)s::text[],
+                %(partitions)s::integer[], %(offsets)s::bigint[], %(reasons)s::text[],
+                %(evidence)s::jsonb[])
+         AS d(id, fence, to_state, kafka_partition, kafka_offset, reason, evidence)
+), decided AS (
+    UPDATE outbox.messages AS m
+    SET state = d.to_state,
+        kafka_partition = coalesce(d.kafka_partition, m.kafka_partition),
+        kafka_offset = d.kafka_offset,
+        delivered_at = CASE WHEN d.to_state = 'delivered' THEN now() END,
+        available_at = CASE WHEN d.to_state = 'pending' THEN now() ELSE m.available_at END,
+        escalated_at = CASE WHEN d.to_state = 'uncertain' THEN now() END,
+        last_error = CASE WHEN d.to_state = 'delivered' THEN NULL ELSE d.reason END,
+        updated_at = now()
+    FROM d
+    WHERE m.id = d.id AND m.fence = d.fence AND m.state = 'uncertain'
+      AND m.escalated_at IS NULL
+    RETURNING m.id, m.topic, d.to_state, d.kafka_partition, d.kafka_offset, d.reason,
+              d.evidence
+), logged AS (
+    INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason, evidence)
+    SELECT id, %(decided_by)s, 'uncertain', to_state, reason, evidence
+    FROM decided
+), confirmed AS (
+    INSERT INTO outbox.partition_offsets AS po (topic, kafka_partition, confirmed_offset)
+    SELECT topic, kafka_partition, max(kafka_offset)
+    FROM decided
+    WHERE to_state = 'delivered'
+    GROUP BY topic, kafka_partition
+    ON CONFLICT (topic, kafka_partition) DO UPDATE
+    SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
+        updated_at = now()
+)
+SELECT id FROM decided
+
+-- name: resolve_message
+-- An operator's decision on one message, recorded with its reason. Only
+-- messages in one of from_states move; the result says which state it was in.
+WITH target AS (
+    SELECT id, state FROM outbox.messages WHERE id = %(id)s FOR UPDATE
+), moved AS (
+    UPDATE outbox.messages AS m
+    SET state = %(to_state)s,
+        kafka_partition = CASE WHEN %(to_state)s = 'delivered'
+                               THEN coalesce(%(partition)s, m.kafka_partition) END,
+        kafka_offset = CASE WHEN %(to_state)s = 'delivered' THEN %(offset)s END,
+        delivered_at = CASE WHEN %(to_state)s = 'delivered' THEN now() END,
+        available_at = CASE WHEN %(to_state)s = 'pending' THEN now() ELSE m.available_at END,
+        escalated_at = NULL,
+        last_error = CASE WHEN %(to_state)s = 'delivered' THEN NULL
+                          ELSE format('%%s by an operator: %%s', %(to_state)s, %(reason)s) END,
+        updated_at = now()
+    FROM target AS t
+    WHERE m.id = t.id AND t.state = ANY(%(from_states)s::text[])
+    RETURNING m.id, t.state AS from_state
+), logged AS (
+    INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason, evidence)
+    SELECT id, %(decided_by)s, from_state, %(to_state)s, %(reason)s, %(evidence)s
+    FROM moved
+)
+SELECT (SELECT state FROM target), EXISTS (SELECT 1 FROM moved)
+
+-- name: work_left
+-- Whether anything may still need this publisher: messages pending, in flight,
+-- or uncertain and not yet escalated to an operator.
+SELECT EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'pending')
+    OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'in_flight')
+    OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
+
+-- name: seconds_until_due
+-- Seconds until the next message needs this publisher: a pending message
+-- becomes claimable, a lease expires, or an uncertain message can be
+-- reconciled (zero or less: now). NULL when none will. Measured by the
+-- database clock, the same clock that set those times.
+SELECT extract(epoch FROM least(
+           (SELECT min(available_at) FROM outbox.messages WHERE state = 'pending'),
+           (SELECT min(lease_expires_at) FROM outbox.messages WHERE state = 'in_flight'),
+           (SELECT min(available_at) FROM outbox.messages
+            WHERE state = 'uncertain' AND escalated_at IS NULL)
+       ) - clock_timestamp())::float8
 
 -- name: register_publisher
 INSERT INTO outbox.publishers (id, host, pid, version)
 VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)
 
--- name: heartbeat_publisher
-UPDATE outbox.publishers SET heartbeat_at = now() WHERE id = %(id)s
+-- name: heartbeat
+-- Say this publisher is alive and, when asked to, renew the leases it holds
+-- that would expire soon. An expired lease is never renewed: once expired, a
+-- message belongs to recovery.
+WITH alive AS (
+    UPDATE outbox.publishers SET heartbeat_at = now() WHERE id = %(id)s
+), renewed AS (
+    UPDATE outbox.messages
+    SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+    WHERE %(renew)s AND state = 'in_flight' AND lease_owner = %(id)s
+      AND lease_expires_at > now()
+      AND lease_expires_at < now() + make_interval(secs => %(lease_seconds)s::float8 / 2)
+    RETURNING id
+)
+SELECT count(*) FROM renewed
 
 -- name: stop_publisher
 UPDATE outbox.publishers SET stopped_at = now(), heartbeat_at = now() WHERE id = %(id)s

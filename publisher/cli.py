@@ -18,7 +18,10 @@ from types import FrameType
 
 import outbox
 from publisher.config import ConfigError, PublisherConfig
+from publisher.faults import Faults, FaultSpecError
 from publisher.loop import Publisher
+from publisher.reconciler import Reconciler
+from publisher.scanner import KafkaLogScanner
 from publisher.sink import KafkaSink, KafkaSinkConfig
 from publisher.store import PublisherStore
 from publisher.waker import Waker
@@ -26,8 +29,20 @@ from publisher.waker import Waker
 log = logging.getLogger("publisher")
 
 
-def _env_default(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
+def _setting(
+    parser: argparse.ArgumentParser, flag: str, kind: type, default: object, help_text: str
+) -> None:
+    """Add ``--flag``, defaulting to ``$OUTBOX_FLAG`` (upper case, '-' -> '_') or ``default``."""
+    env = "OUTBOX_" + flag.removeprefix("--").replace("-", "_").upper()
+    raw = os.environ.get(env)
+    try:
+        value = default if raw is None else kind(raw)
+    except ValueError:
+        parser.error(f"{env}={raw!r} is not a valid {kind.__name__}")
+    shown = "none" if default is None else f"{default:g}" if isinstance(default, float) else default
+    parser.add_argument(
+        flag, type=kind, default=value, help=f"{help_text} (default {shown}) [{env}]"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,55 +52,50 @@ def _parser() -> argparse.ArgumentParser:
         description="Deliver committed outbox intents from PostgreSQL to Apache Kafka. "
         "Each flag can also be set with the environment variable in brackets.",
     )
-    p.add_argument(
-        "--database-url",
-        default=_env_default("OUTBOX_DATABASE_URL"),
-        help="PostgreSQL URL [OUTBOX_DATABASE_URL]",
-    )
-    p.add_argument(
-        "--kafka-bootstrap",
-        default=_env_default("OUTBOX_KAFKA_BOOTSTRAP"),
-        help="Kafka bootstrap servers, host:port[,host:port] [OUTBOX_KAFKA_BOOTSTRAP]",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=int(_env_default("OUTBOX_BATCH_SIZE", str(d.batch_size)) or 0),
-        help=f"messages claimed and sent together (default {d.batch_size}) [OUTBOX_BATCH_SIZE]",
-    )
-    p.add_argument(
-        "--lease-seconds",
-        type=float,
-        default=float(_env_default("OUTBOX_LEASE_SECONDS", str(d.lease_seconds)) or 0),
-        help=f"how long a claim is owned (default {d.lease_seconds:g}) [OUTBOX_LEASE_SECONDS]",
-    )
-    p.add_argument(
+    _setting(p, "--database-url", str, None, "PostgreSQL URL")
+    _setting(p, "--kafka-bootstrap", str, None, "Kafka bootstrap servers, host:port[,host:port]")
+    _setting(p, "--batch-size", int, d.batch_size, "messages claimed and sent together")
+    _setting(p, "--lease-seconds", float, d.lease_seconds, "how long a claim is owned")
+    _setting(
+        p,
         "--poll-interval",
-        type=float,
-        default=float(_env_default("OUTBOX_POLL_INTERVAL", str(d.poll_interval)) or 0),
-        help=f"seconds between claims when no NOTIFY arrives "
-        f"(default {d.poll_interval:g}) [OUTBOX_POLL_INTERVAL]",
+        float,
+        d.poll_interval,
+        "seconds between claims when no NOTIFY arrives",
     )
-    p.add_argument(
-        "--delivery-timeout-ms",
-        type=int,
-        default=d.delivery_timeout_ms,
-        help=f"producer delivery timeout (default {d.delivery_timeout_ms})",
+    _setting(
+        p,
+        "--heartbeat-interval",
+        float,
+        d.heartbeat_interval,
+        "seconds between heartbeats and lease renewals",
     )
-    p.add_argument(
-        "--linger-ms",
-        type=int,
-        default=d.linger_ms,
-        help=f"producer linger (default {d.linger_ms})",
+    _setting(
+        p,
+        "--recovery-interval",
+        float,
+        d.recovery_interval,
+        "seconds between passes that recover expired leases",
     )
+    _setting(
+        p,
+        "--reconcile-interval",
+        float,
+        d.reconcile_interval,
+        "seconds between reconciliation passes over uncertain messages, 0 for none",
+    )
+    _setting(p, "--delivery-timeout-ms", int, d.delivery_timeout_ms, "producer delivery timeout")
+    _setting(p, "--request-timeout-ms", int, d.request_timeout_ms, "producer request timeout")
+    _setting(p, "--linger-ms", int, d.linger_ms, "producer linger")
     p.add_argument(
         "--exit-when-idle",
         action="store_true",
-        help="exit 0 once no message is pending (for scripts and tests)",
+        help="exit 0 once nothing is pending, in flight or awaiting reconciliation "
+        "(for scripts and tests)",
     )
     p.add_argument(
         "--log-level",
-        default=_env_default("OUTBOX_LOG_LEVEL", "INFO"),
+        default=os.environ.get("OUTBOX_LOG_LEVEL", "INFO"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level (default INFO) [OUTBOX_LOG_LEVEL]",
     )
@@ -104,14 +114,29 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[PublisherConfig
         exit_when_idle=args.exit_when_idle,
         linger_ms=args.linger_ms,
         delivery_timeout_ms=args.delivery_timeout_ms,
+        request_timeout_ms=args.request_timeout_ms,
+        heartbeat_interval=args.heartbeat_interval,
+        recovery_interval=args.recovery_interval,
+        reconcile_interval=args.reconcile_interval,
     )
     config.validate()
     return config, args.log_level
 
 
-def build_publisher(config: PublisherConfig, publisher_id: uuid.UUID | None = None) -> Publisher:
+def build_publisher(
+    config: PublisherConfig,
+    publisher_id: uuid.UUID | None = None,
+    *,
+    faults: Faults | None = None,
+) -> Publisher:
     """Wire a publisher to PostgreSQL and Kafka from its config."""
     publisher_id = publisher_id or uuid.uuid4()
+    store = PublisherStore(config.database_url, publisher_id)
+    reconciler = None
+    if config.reconcile_interval > 0:
+        reconciler = Reconciler(
+            store, KafkaLogScanner(config.kafka_bootstrap), f"reconciler {publisher_id}"
+        )
     sink = KafkaSink(
         KafkaSinkConfig(
             bootstrap_servers=config.kafka_bootstrap,
@@ -123,9 +148,12 @@ def build_publisher(config: PublisherConfig, publisher_id: uuid.UUID | None = No
     )
     return Publisher(
         config,
-        PublisherStore(config.database_url, publisher_id),
+        store,
         sink,
         Waker(config.database_url),
+        reconciler=reconciler,
+        heartbeat_store=PublisherStore(config.database_url, publisher_id),
+        faults=faults,
         version=outbox.__version__,
         pid=os.getpid(),
     )
@@ -135,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the publisher until SIGTERM/SIGINT (or idle); return the exit code."""
     try:
         config, level = config_from_args(argv)
-    except ConfigError as exc:
+        faults = Faults.from_env()
+    except (ConfigError, FaultSpecError) as exc:
         print(f"outbox-publisher: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
@@ -146,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # ... and an ERROR for every topic it has not seen yet, even where the broker
     # creates it on first use; a topic that really is missing is reported per message.
     logging.getLogger("kafka.cluster").setLevel(logging.CRITICAL)
-    publisher = build_publisher(config)
+    publisher = build_publisher(config, faults=faults)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info(

@@ -23,8 +23,13 @@ class PublisherConfig:
     lease_seconds: float = 60.0
     #: Longest sleep between two claims when no notification arrives.
     poll_interval: float = 1.0
-    #: Seconds between two heartbeats in ``outbox.publishers``.
+    #: Seconds between two heartbeats (and lease renewals) in ``outbox.publishers``.
     heartbeat_interval: float = 5.0
+    #: Seconds between two passes of lease recovery (also run at start).
+    recovery_interval: float = 5.0
+    #: Seconds between two reconciliation passes over uncertain messages;
+    #: 0 turns automatic reconciliation off (``outbox reconcile`` still works).
+    reconcile_interval: float = 10.0
     #: Exit once nothing is left to deliver (for scripts and tests).
     exit_when_idle: bool = False
     #: First retry delay of a message Kafka did not take, doubled at each attempt.
@@ -39,7 +44,7 @@ class PublisherConfig:
         """The longest a batch may wait for the broker before it is given up."""
         return (self.delivery_timeout_ms + self.request_timeout_ms) / 1000
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: PLR0912 - one flat check per setting reads best
         """Raise ``ConfigError`` listing every problem, one per line."""
         problems = []
         if not self.database_url:
@@ -59,6 +64,17 @@ class PublisherConfig:
             problems.append(f"batch size must be at least 1, got {self.batch_size}")
         if self.poll_interval <= 0:
             problems.append(f"poll interval must be positive, got {self.poll_interval}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_interval * 2 > self.lease_seconds:
+            problems.append(
+                f"heartbeat interval ({self.heartbeat_interval:g}s) must be positive and at most "
+                f"half the lease ({self.lease_seconds:g}s), or leases lapse between renewals"
+            )
+        if self.recovery_interval <= 0:
+            problems.append(f"recovery interval must be positive, got {self.recovery_interval}")
+        if self.reconcile_interval < 0:
+            problems.append(
+                f"reconcile interval must be 0 (off) or positive, got {self.reconcile_interval}"
+            )
         if self.retry_base_seconds <= 0 or self.retry_cap_seconds < self.retry_base_seconds:
             problems.append("retry delays need 0 < base <= cap")
         if self.delivery_timeout_ms < self.linger_ms + self.request_timeout_ms:

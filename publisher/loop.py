@@ -2,14 +2,19 @@
 
 One iteration (``run_once``) is the whole state machine of a batch:
 
-1. claim: pending -> in_flight under a lease, fence + 1 (one statement);
-2. choose each record's partition and send the batch, flushing once;
-3. classify each record's outcome and settle the batch in one statement:
+1. claim: pending -> in_flight under a lease, fence + 1, recorded as a batch
+   (one statement);
+2. choose each record's partition and record, before anything is sent, that
+   the batch begins sending (``mark_sending``); only messages still held are
+   sent;
+3. send the batch and flush once;
+4. classify each record's outcome and settle the batch in one statement:
    delivered, pending again (not written, with backoff), uncertain, or
    quarantined. Only rows still carrying this claim's fence change.
 
-``run`` repeats it, sleeping on NOTIFY or the poll interval when there is
-nothing to do, until ``request_stop`` is called.
+``run`` repeats it; between batches it recovers expired leases and
+reconciles uncertain messages at their intervals, and sleeps on NOTIFY or
+the poll interval when there is nothing to do, until ``request_stop``.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
+from kafka import errors as kafka_errors
 
 from outbox.intent import ID_HEADER
 from outbox.states import State
 from publisher.config import PublisherConfig
+from publisher.faults import Faults
+from publisher.heartbeat import Heartbeat
 from publisher.outcomes import ATTEMPT_OUTCOME, NEXT_STATE, SendOutcome, classify, retry_delay
 from publisher.partitioning import partition_for
+from publisher.reconciler import Reconciler
 from publisher.sink import OutgoingRecord, SendReport, Sink
-from publisher.store import Batch, PublisherStore, Settlement
+from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,8 @@ class Totals:
     quarantined: int = 0
     released: int = 0
     stale: int = 0
+    recovered: int = 0
+    reconciled: int = 0
 
 
 class Publisher:
@@ -58,6 +69,9 @@ class Publisher:
         sink: Sink,
         waker: Waker | None = None,
         *,
+        reconciler: Reconciler | None = None,
+        heartbeat_store: PublisherStore | None = None,
+        faults: Faults | None = None,
         version: str = "dev",
         pid: int = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -66,12 +80,26 @@ class Publisher:
         self.store = store
         self.sink = sink
         self.waker = waker or Waker(None)
+        self.reconciler = reconciler
+        self.faults = faults or Faults()
         self.totals = Totals()
         self._version = version
         self._pid = pid
         self._clock = clock
         self._stopping = threading.Event()
-        self._last_heartbeat = 0.0
+        self._progress_at = clock()
+        self._next_recovery = 0.0
+        self._next_reconcile = 0.0
+        self.heartbeat = (
+            Heartbeat(
+                heartbeat_store,
+                interval=config.heartbeat_interval,
+                lease_seconds=config.lease_seconds,
+                progressing=self._progressing,
+            )
+            if heartbeat_store is not None
+            else None
+        )
 
     @property
     def publisher_id(self) -> uuid.UUID:
@@ -92,6 +120,8 @@ class Publisher:
         """Deliver until stopped (or idle, with ``exit_when_idle``); return the totals."""
         self.store.register(self._version, self._pid)
         self.waker.start()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         log.info(
             "publisher %s started (batch %d, lease %gs, poll %gs)",
             self.publisher_id,
@@ -102,7 +132,7 @@ class Publisher:
         try:
             while not self._stopping.is_set():
                 try:
-                    self._maybe_heartbeat()
+                    self.maintain()
                     if self.run_once():
                         continue
                     wait = self._idle_wait()
@@ -115,17 +145,11 @@ class Publisher:
                     break
                 self.waker.wait(wait)
         finally:
-            self.waker.stop()
-            self.sink.close()
-            try:
-                self.store.mark_stopped()
-            except psycopg.Error as exc:
-                log.warning("could not record the stop: %s", exc)
-            self.store.close()
+            self._shut_down()
         t = self.totals
         log.info(
             "publisher %s stopped: %d delivered, %d to retry, %d uncertain, %d quarantined, "
-            "%d released, %d stale in %d batches",
+            "%d released, %d stale in %d batches; %d recovered, %d reconciled",
             self.publisher_id,
             t.delivered,
             t.retried,
@@ -134,83 +158,114 @@ class Publisher:
             t.released,
             t.stale,
             t.batches,
+            t.recovered,
+            t.reconciled,
         )
         return t
+
+    def _shut_down(self) -> None:
+        self.waker.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.sink.close()
+        if self.reconciler is not None:
+            self.reconciler.scanner.close()
+        try:
+            self.store.mark_stopped()
+        except psycopg.Error as exc:
+            log.warning("could not record the stop: %s", exc)
+        self.store.close()
+
+    # --- one batch ----------------------------------------------------------
 
     def run_once(self) -> int:
         """Claim, send and settle one batch; return how many messages it claimed."""
         batch = self.store.claim(self.config.batch_size, self.config.lease_seconds)
         if batch is None:
             return 0
+        self._progress()
+        self.faults.reached("after_claim")
         if self._stopping.is_set():
-            self._settle(batch, [self._release(m.id, m.fence) for m in batch.messages])
+            self._settle(batch, [self._release(m) for m in batch.messages])
             return len(batch.messages)
         settlements = self._send(batch)
         if any(s.state is State.UNCERTAIN for s in settlements):
             # The producer session that produced an unknown outcome must not
             # send anything more: abandon its producer id before going on.
             self.sink.discard_producer()
+        self.faults.reached("after_ack")
         self._settle(batch, settlements)
+        self.faults.reached("after_confirm")
         return len(batch.messages)
 
     def _send(self, batch: Batch) -> list[Settlement]:
-        """Send the batch; return one settlement per message, in batch order."""
-        partition_counts: dict[str, int] = {}
-        topic_errors: dict[str, BaseException] = {}
+        """Send what this publisher still holds of the batch; one settlement per message."""
+        counts: dict[str, int] = {}
+        refused: dict[uuid.UUID, Settlement] = {}
         for topic in {m.topic for m in batch.messages}:
             try:
-                partition_counts[topic] = self.sink.partition_count(topic)
-            except Exception as exc:  # noqa: BLE001 - classified below, per message
-                topic_errors[topic] = exc
-        records: list[OutgoingRecord] = []
-        settlements: list[Settlement | None] = []
-        for m in batch.messages:
-            error = topic_errors.get(m.topic)
-            if error is not None:
-                report = SendReport(None, None, error, handed_to_producer=False)
-                settlements.append(self._settlement(m.id, m.fence, m.attempt, report, None))
-                continue
-            partition = partition_for(m.key, m.id, partition_counts[m.topic])
-            records.append(
-                OutgoingRecord(
-                    m.id,
-                    m.topic,
-                    partition,
-                    m.key,
-                    m.value,
-                    [*m.headers, (ID_HEADER, str(m.id).encode())],
+                counts[topic] = self.sink.partition_count(topic)
+            except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
+                report = SendReport(None, None, exc, handed_to_producer=False)
+                for m in batch.messages:
+                    if m.topic == topic:
+                        refused[m.id] = self._settlement(m, report, None)
+        sendable = [m for m in batch.messages if m.id not in refused]
+        held = {m.id for m in batch.messages}
+        if sendable:
+            held = self.store.mark_sending(batch, counts, self.config.longest_send_seconds)
+            self._progress()
+            lost = len(batch.messages) - len(held)
+            if lost:
+                log.warning(
+                    "batch %d: %d messages were recovered before sending began; not sent",
+                    batch.id,
+                    lost,
                 )
+                self.totals.stale += lost
+            sendable = [m for m in sendable if m.id in held]
+        records = [
+            OutgoingRecord(
+                m.id,
+                m.topic,
+                partition_for(m.key, m.id, counts[m.topic]),
+                m.key,
+                m.value,
+                [*m.headers, (ID_HEADER, str(m.id).encode())],
             )
-            settlements.append(None)
-        reports = iter(self.sink.send_batch(records)) if records else iter(())
-        sent = iter(records)
-        return [
-            s
-            if s is not None
-            else self._settlement(m.id, m.fence, m.attempt, next(reports), next(sent).partition)
-            for m, s in zip(batch.messages, settlements, strict=True)
+            for m in sendable
         ]
+        reports: list[SendReport] = []
+        if records:
+            in_flight = self.sink.send(records)
+            self.faults.reached("after_send")
+            reports = self.sink.complete(in_flight)
+            self._progress()
+        sent = {r.message_id: (r, report) for r, report in zip(records, reports, strict=True)}
+        settlements = []
+        for m in batch.messages:
+            if m.id in refused and m.id in held:
+                settlements.append(refused[m.id])
+            elif m.id in sent:
+                record, report = sent[m.id]
+                settlements.append(self._settlement(m, report, record.partition))
+        return settlements
 
     def _settlement(
-        self,
-        message_id: uuid.UUID,
-        fence: int,
-        attempt: int,
-        report: SendReport,
-        partition: int | None,
+        self, m: ClaimedMessage, report: SendReport, partition: int | None
     ) -> Settlement:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
         error = None if report.error is None else f"{type(report.error).__name__}: {report.error}"
         retry_after = 0.0
         if outcome is SendOutcome.NOT_WRITTEN:
             retry_after = retry_delay(
-                attempt,
+                m.attempt,
                 base_seconds=self.config.retry_base_seconds,
                 cap_seconds=self.config.retry_cap_seconds,
             )
         return Settlement(
-            message_id=message_id,
-            fence=fence,
+            message_id=m.id,
+            fence=m.fence,
             state=NEXT_STATE[outcome],
             attempt_outcome=ATTEMPT_OUTCOME[outcome],
             partition=report.partition if report.partition is not None else partition,
@@ -221,10 +276,10 @@ class Publisher:
         )
 
     @staticmethod
-    def _release(message_id: uuid.UUID, fence: int) -> Settlement:
+    def _release(m: ClaimedMessage) -> Settlement:
         return Settlement(
-            message_id=message_id,
-            fence=fence,
+            message_id=m.id,
+            fence=m.fence,
             state=State.PENDING,
             attempt_outcome="abandoned",
             error="released unsent: publisher stopping",
@@ -233,6 +288,8 @@ class Publisher:
 
     def _settle(self, batch: Batch, settlements: list[Settlement]) -> None:
         """Record the outcomes, retrying through database outages while the lease lasts."""
+        if not settlements:
+            return
         deadline = self._clock() + self.config.lease_seconds
         delay = 0.1
         while True:
@@ -252,6 +309,10 @@ class Publisher:
                 log.warning("recording a batch failed (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        self._progress()
+        self._count(settlements, changed)
+
+    def _count(self, settlements: list[Settlement], changed: set[uuid.UUID]) -> None:
         t = self.totals
         t.batches += 1
         for s in settlements:
@@ -276,17 +337,47 @@ class Publisher:
             elif s.state is State.QUARANTINED:
                 t.quarantined += 1
                 log.error("message %s quarantined: %s", s.message_id, s.error)
-        log.debug("batch of %d settled", len(settlements))
 
-    def _maybe_heartbeat(self) -> None:
+    # --- between batches ------------------------------------------------------
+
+    def maintain(self, *, force: bool = False) -> None:
+        """Recover expired leases and reconcile uncertain messages when their time has come."""
         now = self._clock()
-        if now - self._last_heartbeat >= self.config.heartbeat_interval:
-            self.store.heartbeat()
-            self._last_heartbeat = now
+        if force or now >= self._next_recovery:
+            self._next_recovery = now + self.config.recovery_interval
+            moved = self.store.recover_expired_leases()
+            if moved:
+                self.totals.recovered += len(moved)
+                for message_id, state in moved.items():
+                    log.warning("message %s: lease expired, moved to %s", message_id, state.value)
+        if self.reconciler is not None and (force or now >= self._next_reconcile):
+            self._next_reconcile = now + self.config.reconcile_interval
+            try:
+                report = self.reconciler.run_once()
+            except kafka_errors.KafkaError as exc:
+                log.warning("reconciliation postponed, Kafka unavailable: %s", exc)
+            else:
+                self.totals.reconciled += report.decided
 
     def _idle_wait(self) -> float | None:
         """Seconds to sleep when a claim found nothing; ``None`` to exit when idle."""
-        seconds = self.store.seconds_until_available()
-        if seconds is None:
+        if not self.store.work_left():
             return None if self.config.exit_when_idle else self.config.poll_interval
-        return min(max(seconds, 0.01), self.config.poll_interval)
+        seconds = self.store.seconds_until_due()
+        if seconds is not None and seconds > 0:
+            return min(seconds, self.config.poll_interval)
+        # Something is due that only recovery or reconciliation can move (or a
+        # pending message another publisher holds the lock of): come back when
+        # the next of those passes is due.
+        next_pass = min(
+            self._next_recovery,
+            self._next_reconcile if self.reconciler is not None else self._next_recovery,
+        )
+        return min(max(next_pass - self._clock(), 0.01), self.config.poll_interval)
+
+    def _progress(self) -> None:
+        self._progress_at = self._clock()
+
+    def _progressing(self) -> bool:
+        """Whether the loop moved recently enough for its leases to be renewed."""
+        return self._clock() - self._progress_at < self.config.longest_send_seconds + 10

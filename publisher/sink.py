@@ -45,15 +45,27 @@ class SendReport:
     handed_to_producer: bool
 
 
+class InFlight(Protocol):
+    """Records handed to the producer, not yet reported on."""
+
+    def __len__(self) -> int:
+        """How many records were handed over (or refused)."""
+        ...
+
+
 class Sink(Protocol):
-    """Where records go: one topic partition count lookup, one batch send."""
+    """Where records go: a partition count lookup, then send and complete a batch."""
 
     def partition_count(self, topic: str) -> int:
         """Number of partitions of ``topic``; raises if the topic cannot be described."""
         ...
 
-    def send_batch(self, records: Sequence[OutgoingRecord]) -> list[SendReport]:
-        """Send every record, wait for the broker once, and report on each in order."""
+    def send(self, records: Sequence[OutgoingRecord]) -> InFlight:
+        """Hand every record to the producer without waiting for the broker."""
+        ...
+
+    def complete(self, in_flight: InFlight) -> list[SendReport]:
+        """Wait for the broker once and report on each record, in the order sent."""
         ...
 
     def discard_producer(self) -> None:
@@ -63,6 +75,16 @@ class Sink(Protocol):
     def close(self) -> None:
         """Release connections."""
         ...
+
+
+@dataclass
+class _KafkaInFlight:
+    """Per record, in order: kafka-python's future, or the report of a refused send."""
+
+    entries: list[Any] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 @dataclass
@@ -115,40 +137,45 @@ class KafkaSink:
             raise kafka_errors.UnknownTopicOrPartitionError(f"topic {topic!r} has no partitions")
         return len(partitions)
 
-    def send_batch(self, records: Sequence[OutgoingRecord]) -> list[SendReport]:
-        """Hand every record to the producer, flush once, then read every future."""
+    def send(self, records: Sequence[OutgoingRecord]) -> _KafkaInFlight:
+        """Hand every record to the producer; a refusal is kept as its report."""
         producer = self._get_producer()
-        futures: list[Any] = []
-        reports: list[SendReport | None] = []
+        in_flight = _KafkaInFlight()
         for r in records:
             try:
                 future = producer.send(
                     r.topic, value=r.value, key=r.key, headers=r.headers, partition=r.partition
                 )
             except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
-                futures.append(None)
-                reports.append(SendReport(None, None, exc, handed_to_producer=False))
+                in_flight.entries.append(SendReport(None, None, exc, handed_to_producer=False))
             else:
-                futures.append(future)
-                reports.append(None)
-        flush_timeout = (self._config.delivery_timeout_ms + self._config.request_timeout_ms) / 1000
-        try:
-            producer.flush(timeout=flush_timeout)
-        except kafka_errors.KafkaTimeoutError:
-            log.warning("producer flush did not finish within %.1fs", flush_timeout)
-        result: list[SendReport] = []
-        for report, future in zip(reports, futures, strict=True):
-            if report is not None:
-                result.append(report)
-            elif not future.is_done:
+                in_flight.entries.append(future)
+        return in_flight
+
+    def complete(self, in_flight: InFlight) -> list[SendReport]:
+        """Flush once, then read every future; one still unanswered is uncertain."""
+        assert isinstance(in_flight, _KafkaInFlight)
+        if self._producer is not None:
+            flush_timeout = (
+                self._config.delivery_timeout_ms + self._config.request_timeout_ms
+            ) / 1000
+            try:
+                self._producer.flush(timeout=flush_timeout)
+            except kafka_errors.KafkaTimeoutError:
+                log.warning("producer flush did not finish within %.1fs", flush_timeout)
+        reports: list[SendReport] = []
+        for entry in in_flight.entries:
+            if isinstance(entry, SendReport):
+                reports.append(entry)
+            elif not entry.is_done:
                 silence = kafka_errors.KafkaTimeoutError("no answer from the broker in time")
-                result.append(SendReport(None, None, silence, handed_to_producer=True))
-            elif future.succeeded():
-                metadata = future.value
-                result.append(SendReport(metadata.partition, metadata.offset, None, True))
+                reports.append(SendReport(None, None, silence, handed_to_producer=True))
+            elif entry.succeeded():
+                metadata = entry.value
+                reports.append(SendReport(metadata.partition, metadata.offset, None, True))
             else:
-                result.append(SendReport(None, None, future.exception, handed_to_producer=True))
-        return result
+                reports.append(SendReport(None, None, entry.exception, handed_to_producer=True))
+        return reports
 
     def discard_producer(self) -> None:
         """Close the producer without waiting, abandoning its producer id and epoch."""

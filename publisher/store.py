@@ -1,22 +1,24 @@
-"""The database seam of the publisher: claim, settle, register.
+"""The database seam of the publisher: claim, mark, settle, recover, reconcile.
 
 ``PublisherStore`` is the only code of the publisher that sends SQL; every
 statement comes from ``outbox/queries.sql``. Each method is one statement in
-its own transaction (the connection is in autocommit mode), so a lease is
-visible to other publishers as soon as it is taken.
+its own transaction (the connection is in autocommit mode), except
+``mark_sending``, whose two statements share one, so a lease is visible to
+other publishers as soon as it is taken.
 """
 
 from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
+from psycopg.types.json import Jsonb
 
 from outbox.queries import query
 from outbox.states import State
@@ -37,8 +39,9 @@ class ClaimedMessage:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """The messages of one claim, in claim order, and when the claim happened."""
+    """The messages of one claim, in claim order, and the claim's record."""
 
+    id: int
     messages: list[ClaimedMessage]
     claimed_at: datetime
 
@@ -56,6 +59,36 @@ class Settlement:
     retry_after: float = 0.0
     error: str | None = None
     send_began: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class UncertainMessage:
+    """An uncertain message the reconciler may decide, with its batch's evidence."""
+
+    id: uuid.UUID
+    topic: str
+    key: bytes | None
+    fence: int
+    #: Where it was sent, if known; else derived from ``partition_counts``.
+    partition: int | None
+    #: ``{topic: partition count}`` when the batch began sending (None: unknown).
+    partition_counts: Mapping[str, int] | None
+    #: ``{topic: {partition: offset}}`` confirmed before the batch began sending.
+    confirmed_offsets: Mapping[str, Mapping[str, int]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the reconciler concluded about one uncertain message, and on what evidence."""
+
+    message_id: uuid.UUID
+    fence: int
+    #: ``delivered`` (found), ``pending`` (proven absent) or ``uncertain`` (escalated).
+    to_state: State
+    reason: str
+    partition: int | None = None
+    offset: int | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
 class PublisherStore:
@@ -84,6 +117,8 @@ class PublisherStore:
             self._conn.close()
             self._conn = None
 
+    # --- the publisher's own record ---------------------------------------
+
     def register(self, version: str, pid: int) -> None:
         """Record this publisher process in ``outbox.publishers``."""
         self.conn.execute(
@@ -91,19 +126,28 @@ class PublisherStore:
             {"id": self.publisher_id, "host": socket.gethostname(), "pid": pid, "version": version},
         )
 
-    def heartbeat(self) -> None:
-        """Say this publisher is alive."""
-        self.conn.execute(query("heartbeat_publisher"), {"id": self.publisher_id})
+    def heartbeat(self, lease_seconds: float, *, renew: bool) -> int:
+        """Say this publisher is alive; with ``renew``, extend leases that expire soon.
+
+        Returns how many leases were renewed.
+        """
+        row = self.conn.execute(
+            query("heartbeat"),
+            {"id": self.publisher_id, "lease_seconds": float(lease_seconds), "renew": renew},
+        ).fetchone()
+        return int(row[0]) if row else 0
 
     def mark_stopped(self) -> None:
         """Record a clean stop."""
         self.conn.execute(query("stop_publisher"), {"id": self.publisher_id})
 
+    # --- one batch ----------------------------------------------------------
+
     def claim(self, limit: int, lease_seconds: float) -> Batch | None:
         """Lease up to ``limit`` pending messages in one statement; ``None`` if none."""
         rows = self.conn.execute(
             query("claim_batch"),
-            {"limit": limit, "owner": self.publisher_id, "lease_seconds": lease_seconds},
+            {"limit": limit, "owner": self.publisher_id, "lease_seconds": float(lease_seconds)},
         ).fetchall()
         if not rows:
             return None
@@ -119,7 +163,31 @@ class PublisherStore:
             )
             for row in rows
         ]
-        return Batch(messages, claimed_at=rows[0][8])
+        return Batch(id=rows[0][8], messages=messages, claimed_at=rows[0][9])
+
+    def mark_sending(
+        self, batch: Batch, partition_counts: Mapping[str, int], longest_send_seconds: float
+    ) -> set[uuid.UUID]:
+        """Record, before anything is sent, that the batch begins sending.
+
+        Returns the ids of the batch's messages this publisher still holds;
+        only those may be sent. The record says how partitions were chosen,
+        which offsets were confirmed before, and when the producer will have
+        given up on every record.
+        """
+        with self.conn.transaction():
+            self.conn.execute(query("lock_batch"), {"batch_id": batch.id})
+            rows = self.conn.execute(
+                query("mark_sending"),
+                {
+                    "batch_id": batch.id,
+                    "owner": self.publisher_id,
+                    "longest_send_seconds": float(longest_send_seconds),
+                    "partition_counts": Jsonb(dict(partition_counts)),
+                    "topics": sorted(partition_counts),
+                },
+            ).fetchall()
+        return {row[0] for row in rows}
 
     def settle(self, batch: Batch, settlements: Sequence[Settlement]) -> set[uuid.UUID]:
         """Record every outcome of a batch in one statement; return the ids it changed.
@@ -141,12 +209,51 @@ class PublisherStore:
                 "errors": [s.error for s in settlements],
                 "send_began": [s.send_began for s in settlements],
                 "publisher": self.publisher_id,
-                "started_at": batch.claimed_at,
+                "batch_id": batch.id,
             },
         ).fetchall()
         return {row[0] for row in rows}
 
-    def seconds_until_available(self) -> float | None:
-        """Seconds until a pending message becomes claimable; ``None`` if none is pending."""
-        row = self.conn.execute(query("seconds_until_available")).fetchone()
+    # --- recovery and reconciliation ---------------------------------------
+
+    def recover_expired_leases(self, limit: int = 1000) -> dict[uuid.UUID, State]:
+        """Move in-flight messages whose lease expired by evidence; return what moved where."""
+        rows = self.conn.execute(query("recover_expired_leases"), {"limit": limit}).fetchall()
+        rows += self.conn.execute(query("recover_unrecorded_leases"), {"limit": limit}).fetchall()
+        return {row[0]: State(row[1]) for row in rows}
+
+    def uncertain_due(self, limit: int = 1000) -> list[UncertainMessage]:
+        """Uncertain, not escalated messages whose producer can no longer write."""
+        rows = self.conn.execute(query("uncertain_due"), {"limit": limit}).fetchall()
+        return [UncertainMessage(*row) for row in rows]
+
+    def decide(self, decisions: Sequence[Decision], decided_by: str) -> set[uuid.UUID]:
+        """Apply reconciliation decisions in one statement; return the ids that changed."""
+        if not decisions:
+            return set()
+        rows = self.conn.execute(
+            query("decide_uncertain"),
+            {
+                "ids": [d.message_id for d in decisions],
+                "fences": [d.fence for d in decisions],
+                "to_states": [d.to_state.value for d in decisions],
+                "partitions": [d.partition for d in decisions],
+                "offsets": [d.offset for d in decisions],
+                "reasons": [d.reason for d in decisions],
+                "evidence": [Jsonb(dict(d.evidence)) for d in decisions],
+                "decided_by": decided_by,
+            },
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    # --- what is left to do -------------------------------------------------
+
+    def work_left(self) -> bool:
+        """Whether a message is pending, in flight, or uncertain and not escalated."""
+        row = self.conn.execute(query("work_left")).fetchone()
+        return bool(row and row[0])
+
+    def seconds_until_due(self) -> float | None:
+        """Seconds until a message needs a publisher; ``None`` if none will."""
+        row = self.conn.execute(query("seconds_until_due")).fetchone()
         return None if row is None or row[0] is None else float(row[0])

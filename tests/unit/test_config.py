@@ -42,6 +42,10 @@ def test_valid_config_passes(overrides: dict[str, Any]) -> None:
     ("overrides", "fragment"),
     [
         ({"database_url": ""}, "database URL is missing"),
+        ({"heartbeat_interval": 0}, "heartbeat interval (0s) must be positive"),
+        ({"heartbeat_interval": 31}, "at most half the lease (60s)"),
+        ({"recovery_interval": 0}, "recovery interval must be positive"),
+        ({"reconcile_interval": -1}, "reconcile interval must be 0 (off) or positive"),
         ({"database_url": "mysql://x"}, "database URL 'mysql://x' must start with postgresql://"),
         ({"kafka_bootstrap": ""}, "Kafka bootstrap servers are missing"),
         ({"kafka_bootstrap": "host"}, "Kafka bootstrap server 'host' is not host:port"),
@@ -87,14 +91,15 @@ def test_every_problem_is_listed_at_once() -> None:
     with pytest.raises(ConfigError) as caught:
         config.validate()
     problems = _problems(caught.value)
-    assert len(problems) == 6, problems
+    assert len(problems) == 7, problems
     for fragment in (
+        "heartbeat interval (5s) must be positive and at most half the lease (1s)",
         "database URL is missing",
         "'host' is not host:port",
         "batch size",
         "poll interval",
         "0 < base <= cap",
-        "lease (1s)",
+        "lease (1s) must be longer",
     ):
         assert sum(fragment in p for p in problems) == 1, fragment
 

@@ -8,7 +8,7 @@ outcome is recorded).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +39,11 @@ class FakeStore(PublisherStore):
         #: Ids that the settle statement "did not change" (a stale fence).
         self.stale_ids: set[uuid.UUID] = set()
         self.registered: list[tuple[str, int]] = []
-        self.next_available: float | None = None
+        #: Whether anything is left to do, and in how many seconds (None: nothing).
+        self.work: bool = False
+        self.next_due: float | None = None
+        #: Message ids that recovery took away before sending began.
+        self.lost_before_sending: set[uuid.UUID] = set()
 
     @property
     def conn(self) -> Any:
@@ -55,9 +59,10 @@ class FakeStore(PublisherStore):
         self.events.append("register")
         self.registered.append((version, pid))
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, lease_seconds: float, *, renew: bool) -> int:
         """Record the heartbeat."""
         self.events.append("heartbeat")
+        return 0
 
     def mark_stopped(self) -> None:
         """Record the clean stop."""
@@ -74,10 +79,27 @@ class FakeStore(PublisherStore):
         self.settled.append(list(settlements))
         return {s.message_id for s in settlements} - self.stale_ids
 
-    def seconds_until_available(self) -> float | None:
-        """The prepared answer (None: nothing pending)."""
-        self.events.append("seconds_until_available")
-        return self.next_available
+    def mark_sending(
+        self, batch: Batch, partition_counts: Mapping[str, int], longest_send_seconds: float
+    ) -> set[uuid.UUID]:
+        """Record the mark; every message is still held except those declared lost."""
+        self.events.append("mark_sending")
+        return {m.id for m in batch.messages} - self.lost_before_sending
+
+    def recover_expired_leases(self, limit: int = 1000) -> dict[uuid.UUID, State]:
+        """Nothing to recover in a unit test."""
+        self.events.append("recover")
+        return {}
+
+    def work_left(self) -> bool:
+        """The prepared answer."""
+        self.events.append("work_left")
+        return self.work
+
+    def seconds_until_due(self) -> float | None:
+        """The prepared answer (None: nothing due)."""
+        self.events.append("seconds_until_due")
+        return self.next_due
 
 
 class FakeSink:
@@ -100,13 +122,18 @@ class FakeSink:
             raise kafka_errors.UnknownTopicOrPartitionError(f"topic {topic!r} has no partitions")
         return self.partitions[topic]
 
-    def send_batch(self, records: Sequence[OutgoingRecord]) -> list[SendReport]:
-        """Record the records and report on each, in order."""
-        self.events.append("send_batch")
+    def send(self, records: Sequence[OutgoingRecord]) -> list[OutgoingRecord]:
+        """Record the records handed over."""
+        self.events.append("send")
         self.batches_sent += 1
         self.sent.extend(records)
+        return list(records)
+
+    def complete(self, in_flight: Any) -> list[SendReport]:
+        """Report on each record handed over, in order."""
+        self.events.append("complete")
         result = []
-        for r in records:
+        for r in in_flight:
             report = self.reports.get(r.message_id)
             if report is None:
                 report = SendReport(r.partition, self._next_offset, None, handed_to_producer=True)
@@ -143,7 +170,7 @@ def _message(
 
 
 def _batch(*messages: ClaimedMessage) -> Batch:
-    return Batch(list(messages), claimed_at=datetime(2025, 1, 1, tzinfo=UTC))
+    return Batch(id=7, messages=list(messages), claimed_at=datetime(2025, 1, 1, tzinfo=UTC))
 
 
 def _publisher(
@@ -245,7 +272,7 @@ def test_producer_is_discarded_before_settling_only_after_an_uncertain_outcome(
     assert ("discard_producer" in events) is discarded
     if discarded:
         assert events.count("discard_producer") == 1
-        assert events.index("send_batch") < events.index("discard_producer")
+        assert events.index("send") < events.index("discard_producer")
         assert events.index("discard_producer") < events.index("settle")
 
 
@@ -306,7 +333,7 @@ def test_a_batch_whose_only_topic_cannot_be_described_sends_nothing() -> None:
 
     publisher.run_once()
 
-    assert "send_batch" not in events
+    assert "send" not in events
     assert [s.state for s in store.settled[0]] == [State.PENDING]
 
 
@@ -319,7 +346,7 @@ def test_a_stop_requested_before_the_claim_releases_the_batch_unsent() -> None:
     assert publisher.run_once() == 2
 
     assert sink.sent == []
-    assert "send_batch" not in events
+    assert "send" not in events
     assert len(store.settled) == 1
     for message, s in zip(messages, store.settled[0], strict=True):
         assert s.message_id == message.id
@@ -350,10 +377,10 @@ def test_run_exits_when_idle_after_registering_and_records_the_stop() -> None:
     assert store.registered == [("1.2.3", 4321)]
     assert events[0] == "register"
     assert "claim" in events
-    assert "seconds_until_available" in events
+    assert "work_left" in events
     assert events.count("sink.close") == 1
     assert events.count("mark_stopped") == 1
-    assert events.index("mark_stopped") > events.index("seconds_until_available")
+    assert events.index("mark_stopped") > events.index("work_left")
     assert events[-1] == "store.close"
     assert totals.batches == 0
 

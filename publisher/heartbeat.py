@@ -1,0 +1,68 @@
+"""The publisher's heartbeat: proof of life, and lease renewal while work progresses.
+
+A background thread, on a connection of its own, updates
+``outbox.publishers.heartbeat_at`` every interval and renews the leases this
+publisher holds that would expire within half a lease. It renews only while
+the publisher loop reports progress: a loop that is stuck must lose its
+leases, so that recovery can move its messages on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import psycopg
+
+from publisher.store import PublisherStore
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Runs ``store.heartbeat`` every ``interval`` seconds until stopped."""
+
+    def __init__(
+        self,
+        store: PublisherStore,
+        *,
+        interval: float,
+        lease_seconds: float,
+        progressing: Callable[[], bool],
+    ) -> None:
+        self._store = store
+        self._interval = interval
+        self._lease_seconds = lease_seconds
+        self._progressing = progressing
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start beating in a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
+            self._thread.start()
+
+    def beat(self) -> int:
+        """One heartbeat now; returns how many leases were renewed."""
+        renewed = self._store.heartbeat(self._lease_seconds, renew=self._progressing())
+        if renewed:
+            log.debug("renewed %d leases", renewed)
+        return renewed
+
+    def stop(self) -> None:
+        """Stop beating and close the heartbeat's connection."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._store.close()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval):
+            try:
+                self.beat()
+            except psycopg.Error as exc:
+                log.warning("heartbeat failed (%s); retrying", exc)
+                self._store.close()

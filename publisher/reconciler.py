@@ -1,0 +1,218 @@
+"""Deciding uncertain messages from what Kafka holds.
+
+A message is uncertain when its record may or may not have been written. Once
+the producer that sent it can no longer write (its lease is gone and the
+delivery timeout has passed since sending began), the reconciler reads the
+message's partition from the highest offset confirmed before its attempt to
+the partition's end, looking for the message id in the ``outbox-id`` header:
+
+* found: ``delivered`` at the offset found;
+* not found: ``pending``, with the scanned range recorded as the proof, so it
+  is sent again;
+* the evidence is gone (the topic or partition no longer exists, or the
+  offsets to read were deleted by retention): it stays ``uncertain``, is
+  marked escalated with the reason, and an operator decides.
+
+Every decision is written to ``outbox.decisions`` with its evidence.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from outbox.states import State
+from publisher.partitioning import partition_for
+from publisher.scanner import LogScanner, ScanIncomplete
+from publisher.store import Decision, PublisherStore, UncertainMessage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReconcileReport:
+    """What one reconciliation pass decided."""
+
+    delivered: list[uuid.UUID] = field(default_factory=list)
+    pending: list[uuid.UUID] = field(default_factory=list)
+    escalated: list[uuid.UUID] = field(default_factory=list)
+    #: Left uncertain for a later pass (a scan that did not finish in time).
+    deferred: list[uuid.UUID] = field(default_factory=list)
+
+    @property
+    def decided(self) -> int:
+        """How many messages left the undecided uncertain state."""
+        return len(self.delivered) + len(self.pending) + len(self.escalated)
+
+
+def _scan_start(message: UncertainMessage, topic: str, partition: int) -> int:
+    """First offset the message's record can be at: above what was confirmed before."""
+    offsets = (message.confirmed_offsets or {}).get(topic, {})
+    confirmed = offsets.get(str(partition))
+    return int(confirmed) + 1 if confirmed is not None else 0
+
+
+class Reconciler:
+    """Decides uncertain messages; ``run_once`` is one pass over those that are due."""
+
+    def __init__(
+        self, store: PublisherStore, scanner: LogScanner, decided_by: str, *, limit: int = 1000
+    ) -> None:
+        self.store = store
+        self.scanner = scanner
+        self.decided_by = decided_by
+        self.limit = limit
+
+    def run_once(self) -> ReconcileReport:
+        """Decide every due uncertain message (up to ``limit``) and record the decisions."""
+        report = ReconcileReport()
+        due = self.store.uncertain_due(self.limit)
+        if not due:
+            return report
+        decisions: list[Decision] = []
+        by_topic: dict[str, list[UncertainMessage]] = defaultdict(list)
+        for message in due:
+            by_topic[message.topic].append(message)
+        for topic, messages in by_topic.items():
+            decisions.extend(self._decide_topic(topic, messages, report))
+        changed = self.store.decide(decisions, self.decided_by)
+        for d in decisions:
+            if d.message_id not in changed:
+                log.warning("message %s changed before the decision was stored", d.message_id)
+                continue
+            bucket = {
+                State.DELIVERED: report.delivered,
+                State.PENDING: report.pending,
+                State.UNCERTAIN: report.escalated,
+            }[d.to_state]
+            bucket.append(d.message_id)
+            log.log(
+                logging.ERROR if d.to_state is State.UNCERTAIN else logging.INFO,
+                "reconciled message %s -> %s: %s",
+                d.message_id,
+                "escalated" if d.to_state is State.UNCERTAIN else d.to_state.value,
+                d.reason,
+            )
+        return report
+
+    def _decide_topic(
+        self, topic: str, messages: Sequence[UncertainMessage], report: ReconcileReport
+    ) -> list[Decision]:
+        count = self.scanner.partition_count(topic)
+        if count is None:
+            return [
+                self._escalate(m, f"topic {topic!r} no longer exists", topic=topic)
+                for m in messages
+            ]
+        decisions: list[Decision] = []
+        by_partition: dict[int, list[UncertainMessage]] = defaultdict(list)
+        for m in messages:
+            partition = m.partition
+            if partition is None:
+                # Chosen before sending from the key (or id) and the partition
+                # count of that moment; a legacy row without it uses today's.
+                counts = m.partition_counts or {}
+                partition = partition_for(m.key, m.id, int(counts.get(topic, count)))
+            if partition >= count:
+                decisions.append(
+                    self._escalate(
+                        m, f"partition {partition} of {topic!r} no longer exists", topic=topic
+                    )
+                )
+            else:
+                by_partition[partition].append(m)
+        for partition, group in by_partition.items():
+            decisions.extend(self._decide_partition(topic, partition, group, report))
+        return decisions
+
+    def _decide_partition(
+        self,
+        topic: str,
+        partition: int,
+        messages: Sequence[UncertainMessage],
+        report: ReconcileReport,
+    ) -> list[Decision]:
+        log_start, end = self.scanner.offset_range(topic, partition)
+        starts = {m.id: _scan_start(m, topic, partition) for m in messages}
+        scan_from = max(min(starts.values()), log_start)
+        try:
+            found = self.scanner.find(
+                topic, partition, scan_from, end, [str(m.id) for m in messages]
+            )
+        except ScanIncomplete as exc:
+            log.warning("reconciliation deferred: %s", exc)
+            report.deferred.extend(m.id for m in messages)
+            return []
+        decisions = []
+        for m in messages:
+            evidence = {
+                "topic": topic,
+                "partition": partition,
+                "scan_from": max(starts[m.id], log_start),
+                "scan_to": end,
+                "log_start": log_start,
+            }
+            offsets = found.get(str(m.id))
+            if offsets:
+                reason = f"found in {topic}[{partition}] at offset {offsets[0]}"
+                if len(offsets) > 1:
+                    reason += f" (and again at {', '.join(map(str, offsets[1:]))})"
+                decisions.append(
+                    Decision(
+                        m.id,
+                        m.fence,
+                        State.DELIVERED,
+                        reason,
+                        partition,
+                        offsets[0],
+                        {**evidence, "found_offsets": offsets},
+                    )
+                )
+            elif starts[m.id] < log_start:
+                decisions.append(
+                    self._escalate(
+                        m,
+                        f"not found in {topic}[{partition}] offsets [{log_start}, {end}), and "
+                        f"offsets [{starts[m.id]}, {log_start}) where it could be were deleted "
+                        "(retention or compaction)",
+                        topic=topic,
+                        partition=partition,
+                        evidence=evidence,
+                    )
+                )
+            else:
+                decisions.append(
+                    Decision(
+                        m.id,
+                        m.fence,
+                        State.PENDING,
+                        f"proven absent: no record with its id in {topic}[{partition}] "
+                        f"offsets [{starts[m.id]}, {end})",
+                        partition,
+                        None,
+                        evidence,
+                    )
+                )
+        return decisions
+
+    @staticmethod
+    def _escalate(
+        message: UncertainMessage,
+        reason: str,
+        *,
+        topic: str,
+        partition: int | None = None,
+        evidence: dict[str, object] | None = None,
+    ) -> Decision:
+        return Decision(
+            message.id,
+            message.fence,
+            State.UNCERTAIN,
+            f"evidence unavailable: {reason}; decide with outbox resolve",
+            partition,
+            None,
+            evidence or {"topic": topic, "partition": partition},
+        )

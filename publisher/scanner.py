@@ -1,0 +1,100 @@
+"""Reading a topic partition back, to find records by their ``outbox-id`` header.
+
+This is the evidence side of reconciliation: it answers "which of these
+message ids appear in this partition between these offsets?" and "which
+offsets does the partition still hold?".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import Protocol
+
+from kafka import KafkaConsumer, TopicPartition
+
+from outbox.intent import ID_HEADER
+
+
+class ScanIncomplete(Exception):
+    """The scan did not reach its end offset in time; nothing can be concluded yet."""
+
+
+class LogScanner(Protocol):
+    """Read access to the Kafka log, as the reconciler needs it."""
+
+    def partition_count(self, topic: str) -> int | None:
+        """How many partitions ``topic`` has; ``None`` if the topic does not exist."""
+        ...
+
+    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
+        """The partition's log start offset and its end offset (next offset to be written)."""
+        ...
+
+    def find(
+        self, topic: str, partition: int, start: int, end: int, ids: Collection[str]
+    ) -> dict[str, list[int]]:
+        """Offsets in ``[start, end)`` of records whose ``outbox-id`` is one of ``ids``."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class KafkaLogScanner:
+    """Scans with a kafka-python consumer that belongs to no group and commits nothing."""
+
+    def __init__(self, bootstrap_servers: str, *, timeout_seconds: float = 60.0) -> None:
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap_servers,
+            client_id="outbox-reconciler",
+            group_id=None,
+            enable_auto_commit=False,
+        )
+        self._timeout = timeout_seconds
+
+    def partition_count(self, topic: str) -> int | None:
+        """Ask the broker (fresh metadata) how many partitions the topic has."""
+        if topic not in self._consumer.topics():  # topics() refreshes the metadata
+            return None
+        partitions = self._consumer.partitions_for_topic(topic)
+        return len(partitions) if partitions else None
+
+    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
+        """Log start and end offsets, as the broker reports them now."""
+        tp = TopicPartition(topic, partition)
+        start = self._consumer.beginning_offsets([tp])[tp]
+        end = self._consumer.end_offsets([tp])[tp]
+        return int(start), int(end)
+
+    def find(
+        self, topic: str, partition: int, start: int, end: int, ids: Collection[str]
+    ) -> dict[str, list[int]]:
+        """Read ``[start, end)`` once and collect the offsets of wanted ids."""
+        wanted = {i.encode() for i in ids}
+        found: dict[str, list[int]] = {}
+        if start >= end or not wanted:
+            return found
+        tp = TopicPartition(topic, partition)
+        self._consumer.assign([tp])
+        self._consumer.seek(tp, start)
+        deadline = time.monotonic() + self._timeout
+        while self._consumer.position(tp) < end:
+            if time.monotonic() > deadline:
+                raise ScanIncomplete(
+                    f"{topic}[{partition}] read up to {self._consumer.position(tp)} of "
+                    f"[{start}, {end}) in {self._timeout:g}s"
+                )
+            for records in self._consumer.poll(timeout_ms=500).values():
+                for record in records:
+                    if record.offset >= end:
+                        break
+                    for name, value in record.headers:
+                        if name == ID_HEADER and value in wanted:
+                            found.setdefault(value.decode(), []).append(record.offset)
+        return found
+
+    def close(self) -> None:
+        """Close the consumer."""
+        self._consumer.close()
