@@ -1,0 +1,132 @@
+"""A publisher frozen with SIGSTOP while it holds a batch, woken after others took over.
+
+A lease stops two publishers from claiming the same message; it cannot stop a
+frozen ("zombie") publisher from writing to Kafka when it wakes. These tests
+show what the fence does guarantee, and the one interleaving that still
+duplicates (docs/guarantees.md, "A zombie publisher").
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import outbox
+from tests.support import count_by_state, read_topic, start_publisher, stop_process, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+TOTAL = 200
+BATCH = 100
+FAST = (
+    "--batch-size", str(BATCH),
+    "--delivery-timeout-ms", "3000",
+    "--request-timeout-ms", "1000",
+    "--lease-seconds", "5",
+    "--heartbeat-interval", "1",
+    "--recovery-interval", "0.5",
+    "--reconcile-interval", "0.5",
+    "--poll-interval", "0.5",
+)  # fmt: skip
+
+
+def _stopped(process: subprocess.Popen[str]) -> bool:
+    """Whether the process is frozen by SIGSTOP (state T in /proc)."""
+    stat = Path(f"/proc/{process.pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _freeze_then_take_over(
+    database_url: str, kafka_bootstrap: str, topic: str, pause_at: str, *flags: str
+) -> subprocess.Popen[str]:
+    """Freeze a publisher at ``pause_at`` of its first batch; let a second one finish the work."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 7}") for i in range(TOTAL)]
+        )
+    zombie = start_publisher(
+        database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_PAUSE_AT": f"{pause_at}:1"}
+    )
+    wait_until(lambda: _stopped(zombie), timeout=60, what="the publisher to freeze")
+    successor = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
+    _, stderr = successor.communicate(timeout=180)
+    assert successor.returncode == 0, stderr
+    assert count_by_state(database_url) == {"delivered": TOTAL}
+    return zombie
+
+
+def _stored_locations(database_url: str) -> dict[object, tuple[int, int]]:
+    with psycopg.connect(database_url) as conn:
+        return {
+            mid: (p, o)
+            for mid, p, o in conn.execute(
+                "SELECT id, kafka_partition, kafka_offset FROM outbox.messages"
+            )
+        }
+
+
+def test_zombie_whose_records_were_acknowledged_changes_nothing_when_it_wakes(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Frozen after the broker acknowledged its batch: reconciled as delivered, late settle ignored."""
+    zombie = _freeze_then_take_over(database_url, kafka_bootstrap, topic, "after_ack")
+    before = _stored_locations(database_url)
+    with psycopg.connect(database_url) as conn:
+        found = conn.execute(
+            "SELECT count(*) FROM outbox.decisions WHERE to_state = 'delivered'"
+        ).fetchone()
+    assert found == (BATCH,)  # the frozen batch was found in Kafka, not resent
+
+    zombie.send_signal(signal.SIGCONT)
+    stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
+    assert zombie.returncode == 0, stderr
+    assert "is stale, the outcome delivered changed nothing" in stderr
+
+    copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
+    assert len(copies) == TOTAL
+    assert max(copies.values()) == 1  # no duplicate
+    assert _stored_locations(database_url) == before
+
+
+def test_zombie_frozen_before_its_producer_sent_duplicates_its_batch_when_it_wakes(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Known limit: records still in a frozen producer's buffer are sent when it wakes.
+
+    The publisher froze after handing its batch to kafka-python's producer and
+    before the producer sent it (a long linger keeps it buffered). Its lease
+    expired, the reconciler proved the records absent after the delivery
+    timeout, and a successor delivered them. On waking, kafka-python drains
+    the buffered batch before it expires it, so the records reach Kafka a
+    second time. The database stays right: each message is delivered once, at
+    the successor's offset, and the zombie's late word changes nothing.
+    """
+    zombie = _freeze_then_take_over(
+        database_url, kafka_bootstrap, topic, "after_send", "--linger-ms", "2000"
+    )
+    before = _stored_locations(database_url)
+    with psycopg.connect(database_url) as conn:
+        proven_absent = conn.execute(
+            "SELECT count(*) FROM outbox.decisions WHERE to_state = 'pending'"
+        ).fetchone()
+    assert proven_absent == (BATCH,)
+
+    zombie.send_signal(signal.SIGCONT)
+    wait_until(
+        lambda: sum(1 for _ in read_topic(kafka_bootstrap, topic)) == TOTAL + BATCH,
+        timeout=60,
+        what="the woken zombie's producer to write its buffered batch",
+    )
+    stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
+    assert zombie.returncode == 0, stderr
+    assert "changed nothing" in stderr
+
+    copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
+    assert len(copies) == TOTAL
+    assert sorted(copies.values()).count(2) == BATCH  # the whole frozen batch, twice
+    assert _stored_locations(database_url) == before
