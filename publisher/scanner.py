@@ -51,6 +51,9 @@ class KafkaLogScanner:
             client_id="outbox-reconciler",
             group_id=None,
             enable_auto_commit=False,
+            # Fail within seconds when the broker is away, instead of the
+            # consumer's default of five minutes; the pass is simply retried.
+            request_timeout_ms=15_000,
         )
         self._timeout = timeout_seconds
 

@@ -159,3 +159,17 @@ def stop_process(process: subprocess.Popen[str], sig: signal.Signals, *, timeout
             process.kill()
             process.communicate()
     return stderr
+
+
+SERVICES = Path(__file__).resolve().parent.parent / "services"
+
+
+def local_service(action: str, name: str) -> None:
+    """``services/<action> <name>``: stop or start one local service (``postgres``, ``kafka``)."""
+    subprocess.run([str(SERVICES / action), name], check=True, timeout=180, capture_output=True)
+
+
+def local_services_running() -> bool:
+    """Whether the services in use are the ones ``services/up`` started from this checkout."""
+    state = SERVICES.parent / ".services"
+    return (state / "kafka" / "broker.pid").exists() and (state / "postgres" / "data").exists()

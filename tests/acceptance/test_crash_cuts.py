@@ -106,12 +106,12 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
     assert set(copies) == set(ids)
     assert max(copies.values()) == 1, [i for i, n in copies.items() if n > 1]
     with psycopg.connect(database_url) as conn:
-        stored = dict(
-            (mid, (p, o))
+        stored = {
+            mid: (p, o)
             for mid, p, o in conn.execute(
                 "SELECT id, kafka_partition, kafka_offset FROM outbox.messages"
             )
-        )
+        }
         evidence = conn.execute(
             "SELECT a.outcome, a.send_began, count(*) FROM outbox.attempts a "
             "WHERE a.outcome <> 'delivered' GROUP BY 1, 2"

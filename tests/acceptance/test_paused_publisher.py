@@ -73,7 +73,7 @@ def _stored_locations(database_url: str) -> dict[object, tuple[int, int]]:
 def test_zombie_whose_records_were_acknowledged_changes_nothing_when_it_wakes(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
-    """Frozen after the broker acknowledged its batch: reconciled as delivered, late settle ignored."""
+    """Frozen after the broker acknowledged its batch: found in Kafka, its late settle ignored."""
     zombie = _freeze_then_take_over(database_url, kafka_bootstrap, topic, "after_ack")
     before = _stored_locations(database_url)
     with psycopg.connect(database_url) as conn:
