@@ -178,13 +178,25 @@ class KafkaSink:
         return reports
 
     def discard_producer(self) -> None:
-        """Close the producer without waiting, abandoning its producer id and epoch."""
+        """Stop the producer at once: buffered records are dropped, never sent later.
+
+        kafka-python's ``close(timeout=0)`` flushes first and raises when
+        batches are still incomplete, before it force-closes the sender
+        thread, which would then go on sending in the background. So the
+        sender is force-closed first; that fails every incomplete batch, and
+        the close that follows has nothing left to wait for.
+        """
         producer, self._producer = self._producer, None
-        if producer is not None:
-            try:
-                producer.close(timeout=0)
-            except kafka_errors.KafkaError as exc:
-                log.warning("closing the abandoned producer: %s", exc)
+        if producer is None:
+            return
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+            sender.join(timeout=self._config.request_timeout_ms / 1000)
+        try:
+            producer.close(timeout=0)
+        except kafka_errors.KafkaError as exc:
+            log.warning("closing the abandoned producer: %s", exc)
 
     def close(self) -> None:
         """Close the producer, letting it finish what it already holds."""

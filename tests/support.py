@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
-from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
 from publisher.cli import build_publisher
@@ -173,3 +173,86 @@ def local_services_running() -> bool:
     """Whether the services in use are the ones ``services/up`` started from this checkout."""
     state = SERVICES.parent / ".services"
     return (state / "kafka" / "broker.pid").exists() and (state / "postgres" / "data").exists()
+
+
+# --- uncertain messages and their records, for recovery and reconciliation tests ---
+
+
+def make_uncertain(
+    database_url: str, *, partitions: int = 3, longest_send_seconds: float = 0.0
+) -> dict[uuid.UUID, int]:
+    """Claim every pending message and settle it ``uncertain`` after sending began.
+
+    This is what a publisher records when its send timed out: the batch was
+    marked as sending (with its confirmed-offset snapshot and a write deadline
+    ``longest_send_seconds`` away), then every message was settled uncertain
+    with the partition chosen for it. Returns each message's id and partition.
+    """
+    from outbox.states import State  # noqa: PLC0415 - keeps conftest's imports light
+    from publisher.partitioning import partition_for  # noqa: PLC0415
+    from publisher.store import PublisherStore, Settlement  # noqa: PLC0415
+
+    store = PublisherStore(database_url, uuid.uuid4())
+    try:
+        batch = store.claim(1000, lease_seconds=30)
+        assert batch is not None, "nothing pending to make uncertain"
+        counts = {m.topic: partitions for m in batch.messages}
+        held = store.mark_sending(batch, counts, longest_send_seconds=longest_send_seconds)
+        assert held == {m.id for m in batch.messages}
+        chosen = {m.id: partition_for(m.key, m.id, partitions) for m in batch.messages}
+        settled = store.settle(
+            batch,
+            [
+                Settlement(
+                    m.id,
+                    m.fence,
+                    State.UNCERTAIN,
+                    "uncertain",
+                    partition=chosen[m.id],
+                    error="KafkaTimeoutError: Expiring 1 record(s)",
+                )
+                for m in batch.messages
+            ],
+        )
+        assert settled == held
+    finally:
+        store.close()
+    return chosen
+
+
+def send_record(
+    bootstrap: str, topic: str, partition: int, message_id: uuid.UUID, value: bytes = b"x"
+) -> int:
+    """Write one record carrying ``message_id`` in its ``outbox-id`` header; return its offset."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        future = producer.send(
+            topic,
+            value=value,
+            partition=partition,
+            headers=[("outbox-id", str(message_id).encode())],
+        )
+        producer.flush(timeout=30)
+        return int(future.get(timeout=30).offset)
+    finally:
+        producer.close()
+
+
+def delete_topic(bootstrap: str, topic: str) -> None:
+    """Delete ``topic`` and wait until the broker no longer lists it.
+
+    Only the full topic listing is polled: the broker creates topics on
+    demand, and asking for this topic's metadata would bring it back.
+    """
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        admin.delete_topics([topic])
+    finally:
+        admin.close()
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        wait_until(
+            lambda: topic not in consumer.topics(), timeout=30, what=f"topic {topic} deleted"
+        )
+    finally:
+        consumer.close()
