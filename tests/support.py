@@ -18,9 +18,12 @@ import psycopg
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
+from outbox.states import State
 from publisher.cli import build_publisher
 from publisher.config import PublisherConfig
 from publisher.loop import Totals
+from publisher.partitioning import partition_for
+from publisher.store import PublisherStore, Settlement
 
 T = TypeVar("T")
 
@@ -188,10 +191,6 @@ def make_uncertain(
     ``longest_send_seconds`` away), then every message was settled uncertain
     with the partition chosen for it. Returns each message's id and partition.
     """
-    from outbox.states import State  # noqa: PLC0415 - keeps conftest's imports light
-    from publisher.partitioning import partition_for  # noqa: PLC0415
-    from publisher.store import PublisherStore, Settlement  # noqa: PLC0415
-
     store = PublisherStore(database_url, uuid.uuid4())
     try:
         batch = store.claim(1000, lease_seconds=30)

@@ -117,7 +117,7 @@ def test_broker_restart_mid_run_ends_with_each_message_delivered_once(
     assert publisher.returncode == 0, stderr
     _assert_exactly_once(database_url, kafka_bootstrap, topic)
     with psycopg.connect(database_url) as conn:
-        outcomes = dict(
+        outcomes: dict[str, int] = dict(
             conn.execute(
                 "SELECT outcome, count(*) FROM outbox.attempts GROUP BY outcome"
             ).fetchall()
