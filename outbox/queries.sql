@@ -325,16 +325,23 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)
 -- name: heartbeat
 -- Say this publisher is alive and, when asked to, renew the leases it holds
 -- that would expire soon. An expired lease is never renewed: once expired, a
--- message belongs to recovery.
+-- message belongs to recovery. Rows locked by a settle in progress are
+-- skipped (they are leaving in_flight), so a heartbeat never waits on one.
 WITH alive AS (
     UPDATE outbox.publishers SET heartbeat_at = now() WHERE id = %(id)s
-), renewed AS (
-    UPDATE outbox.messages
-    SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+), expiring AS (
+    SELECT id
+    FROM outbox.messages
     WHERE %(renew)s AND state = 'in_flight' AND lease_owner = %(id)s
       AND lease_expires_at > now()
       AND lease_expires_at < now() + make_interval(secs => %(lease_seconds)s::float8 / 2)
-    RETURNING id
+    FOR UPDATE SKIP LOCKED
+), renewed AS (
+    UPDATE outbox.messages AS m
+    SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s::float8)
+    FROM expiring AS e
+    WHERE m.id = e.id
+    RETURNING m.id
 )
 SELECT count(*) FROM renewed
 
