@@ -95,9 +95,7 @@ WITH outcome AS (
          AS o(id, fence, state, outcome, kafka_partition, kafka_offset,
               retry_after, error, send_began)
 ), batch AS (
-    UPDATE outbox.batches SET settled_at = now()
-    WHERE id = %(batch_id)s
-    RETURNING claimed_at, write_deadline
+    SELECT claimed_at, write_deadline FROM outbox.batches WHERE id = %(batch_id)s
 ), settled AS (
     UPDATE outbox.messages AS m
     SET state = o.state,
@@ -132,6 +130,9 @@ WITH outcome AS (
     ON CONFLICT (topic, kafka_partition) DO UPDATE
     SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
         updated_at = now()
+), closed AS (
+    UPDATE outbox.batches SET settled_at = now()
+    WHERE id = %(batch_id)s AND EXISTS (SELECT 1 FROM settled)
 )
 SELECT id FROM settled
 
@@ -277,24 +278,27 @@ SELECT id FROM decided
 -- messages in one of from_states move; the result says which state it was in.
 WITH target AS (
     SELECT id, state FROM outbox.messages WHERE id = %(id)s FOR UPDATE
+), decision AS (
+    SELECT %(to_state)s::text AS to_state, %(reason)s::text AS reason,
+           %(partition)s::integer AS kafka_partition, %(offset)s::bigint AS kafka_offset
 ), moved AS (
     UPDATE outbox.messages AS m
-    SET state = %(to_state)s,
-        kafka_partition = CASE WHEN %(to_state)s = 'delivered'
-                               THEN coalesce(%(partition)s, m.kafka_partition) END,
-        kafka_offset = CASE WHEN %(to_state)s = 'delivered' THEN %(offset)s END,
-        delivered_at = CASE WHEN %(to_state)s = 'delivered' THEN now() END,
-        available_at = CASE WHEN %(to_state)s = 'pending' THEN now() ELSE m.available_at END,
+    SET state = d.to_state,
+        kafka_partition = CASE WHEN d.to_state = 'delivered'
+                               THEN coalesce(d.kafka_partition, m.kafka_partition) END,
+        kafka_offset = CASE WHEN d.to_state = 'delivered' THEN d.kafka_offset END,
+        delivered_at = CASE WHEN d.to_state = 'delivered' THEN now() END,
+        available_at = CASE WHEN d.to_state = 'pending' THEN now() ELSE m.available_at END,
         escalated_at = NULL,
-        last_error = CASE WHEN %(to_state)s = 'delivered' THEN NULL
-                          ELSE format('%%s by an operator: %%s', %(to_state)s, %(reason)s) END,
+        last_error = CASE WHEN d.to_state = 'delivered' THEN NULL
+                          ELSE format('%%s by an operator: %%s', d.to_state, d.reason) END,
         updated_at = now()
-    FROM target AS t
+    FROM target AS t, decision AS d
     WHERE m.id = t.id AND t.state = ANY(%(from_states)s::text[])
-    RETURNING m.id, t.state AS from_state
+    RETURNING m.id, t.state AS from_state, d.to_state, d.reason
 ), logged AS (
     INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason, evidence)
-    SELECT id, %(decided_by)s, from_state, %(to_state)s, %(reason)s, %(evidence)s
+    SELECT id, %(decided_by)s, from_state, to_state, reason, %(evidence)s
     FROM moved
 )
 SELECT (SELECT state FROM target), EXISTS (SELECT 1 FROM moved)

@@ -155,7 +155,10 @@ class Reconciler:
                 "scan_to": end,
                 "log_start": log_start,
             }
-            offsets = found.get(str(m.id))
+            # Only offsets above what was confirmed before this message's
+            # attempt can hold its record; the shared scan may start lower
+            # for another message of the same partition.
+            offsets = [o for o in found.get(str(m.id), []) if o >= starts[m.id]]
             if offsets:
                 reason = f"found in {topic}[{partition}] at offset {offsets[0]}"
                 if len(offsets) > 1:

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -107,6 +108,40 @@ def read_topic(bootstrap: str, topic: str, *, timeout: float = 10.0) -> list[Con
         return records
     finally:
         consumer.close()
+
+
+def fast_publisher_flags(batch_size: int) -> tuple[str, ...]:
+    """``outbox-publisher`` flags with short timeouts, so that leases expire and
+    write deadlines pass within seconds in crash and outage tests."""
+    return (
+        "--batch-size", str(batch_size),
+        "--delivery-timeout-ms", "3000",
+        "--request-timeout-ms", "1000",
+        "--lease-seconds", "5",
+        "--heartbeat-interval", "1",
+        "--recovery-interval", "0.5",
+        "--reconcile-interval", "0.5",
+        "--poll-interval", "0.5",
+    )  # fmt: skip
+
+
+def assert_each_delivered_once(
+    database_url: str, kafka_bootstrap: str, topic: str, ids: Collection[uuid.UUID]
+) -> None:
+    """Every message of ``ids`` is in ``topic`` exactly once, at the location stored for it."""
+    records = read_topic(kafka_bootstrap, topic)
+    copies = Counter(r.outbox_id for r in records)
+    assert set(copies) == set(ids)
+    assert max(copies.values()) == 1, [i for i, n in copies.items() if n > 1]
+    with psycopg.connect(database_url) as conn:
+        stored = {
+            mid: (p, o)
+            for mid, p, o in conn.execute(
+                "SELECT id, kafka_partition, kafka_offset FROM outbox.messages "
+                "WHERE state = 'delivered'"
+            )
+        }
+    assert {r.outbox_id: (r.partition, r.offset) for r in records} == stored
 
 
 def publisher_config(database_url: str, kafka_bootstrap: str, **overrides: Any) -> PublisherConfig:

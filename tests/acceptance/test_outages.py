@@ -7,17 +7,17 @@ so they are skipped when the tests use services started some other way.
 from __future__ import annotations
 
 import signal
-from collections import Counter
 
 import psycopg
 import pytest
 
 import outbox
 from tests.support import (
+    assert_each_delivered_once,
     count_by_state,
+    fast_publisher_flags,
     local_service,
     local_services_running,
-    read_topic,
     start_publisher,
     stop_process,
     wait_until,
@@ -31,16 +31,7 @@ pytestmark = [
 ]
 
 TOTAL = 4_000
-FAST = (
-    "--batch-size", "100",
-    "--delivery-timeout-ms", "3000",
-    "--request-timeout-ms", "1000",
-    "--lease-seconds", "5",
-    "--heartbeat-interval", "1",
-    "--recovery-interval", "0.5",
-    "--reconcile-interval", "0.5",
-    "--poll-interval", "0.5",
-)  # fmt: skip
+FAST = fast_publisher_flags(100)
 
 
 def _enqueue(database_url: str, topic: str, first: int, count: int) -> None:
@@ -69,22 +60,15 @@ def _wait_all_delivered(database_url: str) -> None:
 
 
 def _assert_exactly_once(database_url: str, kafka_bootstrap: str, topic: str) -> None:
-    records = read_topic(kafka_bootstrap, topic)
-    copies = Counter(r.outbox_id for r in records)
-    assert len(copies) == TOTAL
-    assert max(copies.values()) == 1, [i for i, n in copies.items() if n > 1]
     with psycopg.connect(database_url) as conn:
-        stored = {
-            mid: (p, o)
-            for mid, p, o in conn.execute(
-                "SELECT id, kafka_partition, kafka_offset FROM outbox.messages"
-            )
-        }
+        ids = [mid for (mid,) in conn.execute("SELECT id FROM outbox.messages")]
+    assert len(ids) == TOTAL
+    assert_each_delivered_once(database_url, kafka_bootstrap, topic, ids)
+    with psycopg.connect(database_url) as conn:
         twice = conn.execute(
             "SELECT count(*) FROM (SELECT message_id FROM outbox.attempts "
             "WHERE outcome = 'delivered' GROUP BY message_id HAVING count(*) > 1) AS t"
         ).fetchone()
-    assert {r.outbox_id: (r.partition, r.offset) for r in records} == stored
     assert twice == (0,)
 
 

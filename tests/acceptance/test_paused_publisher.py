@@ -17,22 +17,20 @@ import psycopg
 import pytest
 
 import outbox
-from tests.support import count_by_state, read_topic, start_publisher, stop_process, wait_until
+from tests.support import (
+    count_by_state,
+    fast_publisher_flags,
+    read_topic,
+    start_publisher,
+    stop_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.acceptance
 
 TOTAL = 200
 BATCH = 100
-FAST = (
-    "--batch-size", str(BATCH),
-    "--delivery-timeout-ms", "3000",
-    "--request-timeout-ms", "1000",
-    "--lease-seconds", "5",
-    "--heartbeat-interval", "1",
-    "--recovery-interval", "0.5",
-    "--reconcile-interval", "0.5",
-    "--poll-interval", "0.5",
-)  # fmt: skip
+FAST = fast_publisher_flags(BATCH)
 
 
 def _stopped(process: subprocess.Popen[str]) -> bool:

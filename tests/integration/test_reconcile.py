@@ -1,0 +1,271 @@
+"""The reconciler decides uncertain messages from what the Kafka partition holds."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kafka import KafkaAdminClient, TopicPartition
+
+import outbox
+from publisher.partitioning import partition_for
+from publisher.reconciler import Reconciler
+from publisher.scanner import KafkaLogScanner
+from publisher.store import PublisherStore
+from tests.support import (
+    delete_topic,
+    make_uncertain,
+    publish_until_idle,
+    read_topic,
+    send_record,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def reconciler(database_url: str, kafka_bootstrap: str) -> Iterator[Reconciler]:
+    """A reconciler with a real scanner, recording its decisions as "test"."""
+    store = PublisherStore(database_url, uuid.uuid4())
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    yield Reconciler(store, scanner, "test")
+    scanner.close()
+    store.close()
+
+
+def _enqueue(database_url: str, topic: str) -> uuid.UUID:
+    with psycopg.connect(database_url) as conn:
+        return outbox.enqueue(conn, topic, b"payload")
+
+
+def _fetch(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _message(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
+    [row] = _fetch(
+        database_url,
+        "SELECT state, kafka_partition, kafka_offset, escalated_at IS NOT NULL, last_error "
+        "FROM outbox.messages WHERE id = %s",
+        message_id,
+    )
+    return row
+
+
+def _decisions(database_url: str) -> list[tuple[Any, ...]]:
+    return _fetch(
+        database_url,
+        "SELECT message_id, decided_by, from_state, to_state, reason, evidence "
+        "FROM outbox.decisions ORDER BY id",
+    )
+
+
+def test_record_found_in_kafka_makes_the_message_delivered_at_its_offset(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """An uncertain message whose record is in its partition becomes delivered at that offset."""
+    message_id = _enqueue(database_url, topic)
+    partition = make_uncertain(database_url)[message_id]
+    # Another message's record lies before it in the same partition.
+    send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    offset = send_record(kafka_bootstrap, topic, partition, message_id)
+
+    report = reconciler.run_once()
+    assert report.delivered == [message_id]
+    assert report.pending == report.escalated == []
+    state, kafka_partition, kafka_offset, escalated, last_error = _message(database_url, message_id)
+    assert (state, kafka_partition, kafka_offset, escalated, last_error) == (
+        "delivered",
+        partition,
+        offset,
+        False,
+        None,
+    )
+    [(_, decided_by, from_state, to_state, reason, evidence)] = _decisions(database_url)
+    assert (decided_by, from_state, to_state) == ("test", "uncertain", "delivered")
+    assert str(offset) in reason
+    assert evidence["topic"] == topic
+    assert evidence["partition"] == partition
+    assert evidence["scan_from"] == 0
+    assert evidence["scan_to"] == offset + 1
+    assert evidence["found_offsets"] == [offset]
+    assert _fetch(
+        database_url,
+        "SELECT confirmed_offset FROM outbox.partition_offsets "
+        "WHERE topic = %s AND kafka_partition = %s",
+        topic,
+        partition,
+    ) == [(offset,)]
+
+    again = reconciler.run_once()
+    assert again.decided == 0
+    assert len(_decisions(database_url)) == 1
+    assert _message(database_url, message_id)[:3] == ("delivered", partition, offset)
+
+
+def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """An uncertain message absent from its scanned range goes pending, then arrives once."""
+    message_id = _enqueue(database_url, topic)
+    partition = make_uncertain(database_url)[message_id]
+    unrelated = send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+
+    report = reconciler.run_once()
+    assert report.pending == [message_id]
+    assert report.delivered == []
+    state, _, kafka_offset, escalated, last_error = _message(database_url, message_id)
+    assert (state, kafka_offset, escalated) == ("pending", None, False)
+    assert last_error.startswith("proven absent")
+    [(_, decided_by, from_state, to_state, reason, evidence)] = _decisions(database_url)
+    assert (decided_by, from_state, to_state) == ("test", "uncertain", "pending")
+    assert reason == last_error
+    assert evidence == {
+        "topic": topic,
+        "partition": partition,
+        "scan_from": 0,
+        "scan_to": unrelated + 1,
+        "log_start": 0,
+    }
+    assert f"offsets [0, {unrelated + 1})" in reason
+
+    totals = publish_until_idle(database_url, kafka_bootstrap)
+    assert totals.delivered == 1
+    mine = [r for r in read_topic(kafka_bootstrap, topic) if r.outbox_id == message_id]
+    assert len(mine) == 1
+    assert _message(database_url, message_id)[:3] == (
+        "delivered",
+        mine[0].partition,
+        mine[0].offset,
+    )
+
+
+def test_scan_starts_above_the_offset_confirmed_before_the_attempt(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """A record with the message's id at or below the attempt's confirmed offset is not searched."""
+    message_id = _enqueue(database_url, topic)
+    partition = partition_for(None, message_id, 3)
+    # This record was written, and its offset confirmed, before the attempt
+    # began sending, so it cannot be the record of this attempt.
+    old = send_record(kafka_bootstrap, topic, partition, message_id)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.partition_offsets (topic, kafka_partition, confirmed_offset) "
+            "VALUES (%s, %s, %s)",
+            (topic, partition, old),
+        )
+    assert make_uncertain(database_url) == {message_id: partition}
+    [(snapshot,)] = _fetch(database_url, "SELECT confirmed_offsets FROM outbox.batches")
+    assert snapshot == {topic: {str(partition): old}}
+
+    report = reconciler.run_once()
+    assert report.pending == [message_id]
+    assert report.delivered == []
+    assert _message(database_url, message_id)[0] == "pending"
+    [(_, _, _, to_state, _, evidence)] = _decisions(database_url)
+    assert to_state == "pending"
+    assert evidence["scan_from"] == old + 1
+    assert evidence["scan_to"] == old + 1
+
+
+def test_message_before_its_write_deadline_is_not_decided(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """An uncertain message whose producer may still write is left undecided."""
+    message_id = _enqueue(database_url, topic)
+    partition = make_uncertain(database_url, longest_send_seconds=300)[message_id]
+    send_record(kafka_bootstrap, topic, partition, message_id)
+
+    report = reconciler.run_once()
+    assert report.decided == 0
+    assert report.deferred == []
+    assert _message(database_url, message_id)[:4] == ("uncertain", partition, None, False)
+    assert _decisions(database_url) == []
+
+
+def test_deleted_topic_escalates_the_message_once(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """When the topic is gone the message stays uncertain, escalated with the reason."""
+    message_id = _enqueue(database_url, topic)
+    partition = make_uncertain(database_url)[message_id]
+    send_record(kafka_bootstrap, topic, partition, message_id)
+    delete_topic(kafka_bootstrap, topic)
+
+    report = reconciler.run_once()
+    assert report.escalated == [message_id]
+    assert report.delivered == report.pending == []
+    escalated_row = _message(database_url, message_id)
+    state, _, kafka_offset, escalated, last_error = escalated_row
+    assert (state, kafka_offset, escalated) == ("uncertain", None, True)
+    assert last_error.startswith("evidence unavailable")
+    assert "no longer exists" in last_error
+    [(_, decided_by, from_state, to_state, reason, evidence)] = _decisions(database_url)
+    assert (decided_by, from_state, to_state) == ("test", "uncertain", "uncertain")
+    assert reason == last_error
+    assert evidence["topic"] == topic
+
+    again = reconciler.run_once()
+    assert again.decided == 0
+    assert len(_decisions(database_url)) == 1
+    assert _message(database_url, message_id) == escalated_row
+
+
+def test_deleted_records_where_the_message_could_be_escalate_instead_of_pending(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """With no confirmed offset, records deleted below the log start escalate the message."""
+    message_id = _enqueue(database_url, topic)
+    partition = make_uncertain(database_url)[message_id]
+    [(snapshot,)] = _fetch(database_url, "SELECT confirmed_offsets FROM outbox.batches")
+    assert snapshot == {}
+    # The message's record may have been among these; they are deleted.
+    send_record(kafka_bootstrap, topic, partition, message_id)
+    last = send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="outbox-tests")
+    try:
+        admin.delete_records({TopicPartition(topic, partition): last})
+    finally:
+        admin.close()
+
+    report = reconciler.run_once()
+    assert report.escalated == [message_id]
+    assert report.pending == report.delivered == []
+    state, _, _, escalated, last_error = _message(database_url, message_id)
+    assert (state, escalated) == ("uncertain", True)
+    assert "were deleted" in last_error
+    [(_, _, _, to_state, _, evidence)] = _decisions(database_url)
+    assert to_state == "uncertain"
+    assert evidence["log_start"] == last
+    assert evidence["scan_to"] == last + 1
+
+
+def test_scan_starts_above_the_confirmed_offset_when_sharing_a_pass(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """A record at or below a message's confirmed offset is ignored when sharing a scan."""
+    with psycopg.connect(database_url) as conn:
+        first = outbox.enqueue(conn, topic, b"first", key="k")
+    # The first attempt began sending with nothing confirmed: it is searched from 0.
+    partition = make_uncertain(database_url)[first]
+    with psycopg.connect(database_url) as conn:
+        second = outbox.enqueue(conn, topic, b"second", key="k")
+    old = send_record(kafka_bootstrap, topic, partition, second)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.partition_offsets (topic, kafka_partition, confirmed_offset) "
+            "VALUES (%s, %s, %s)",
+            (topic, partition, old),
+        )
+    # The second attempt began sending after `old` was confirmed: searched from old + 1.
+    assert make_uncertain(database_url) == {second: partition}
+
+    reconciler.run_once()
+    decisions = {d[0]: d for d in _decisions(database_url)}
+    assert decisions[second][5]["scan_from"] == old + 1
+    assert decisions[second][3] == "pending"  # as when it is reconciled alone

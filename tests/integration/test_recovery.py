@@ -1,0 +1,314 @@
+"""Recovery of expired leases decides from the batch's evidence, once, and only when expired."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.states import State
+from publisher.store import PublisherStore, Settlement
+from tests.support import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _enqueue(database_url: str, count: int = 1) -> list[uuid.UUID]:
+    with psycopg.connect(database_url) as conn:
+        return outbox.enqueue_many(conn, [outbox.Message("t", f"{i}") for i in range(count)])
+
+
+def _fetch(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _expire(database_url: str, *message_ids: uuid.UUID) -> None:
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.messages SET lease_expires_at = now() - interval '1 second' "
+            "WHERE id = ANY(%s)",
+            (list(message_ids),),
+        )
+
+
+def _everything(database_url: str) -> list[list[tuple[Any, ...]]]:
+    """Every row of the tables recovery writes, in a stable order."""
+    return [
+        _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq"),
+        _fetch(database_url, "SELECT * FROM outbox.attempts ORDER BY message_id, attempt"),
+        _fetch(database_url, "SELECT * FROM outbox.batches ORDER BY id"),
+    ]
+
+
+def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
+    database_url: str,
+) -> None:
+    """A lease that expired before sending began is returned to pending, and only once."""
+    ids = _enqueue(database_url, 2)
+    store = PublisherStore(database_url, uuid.uuid4())
+    batch = store.claim(10, lease_seconds=0.3)
+    assert batch is not None
+    wait_until(
+        lambda: _fetch(
+            database_url,
+            "SELECT bool_and(lease_expires_at < now()) FROM outbox.messages",
+        )[0][0],
+        timeout=10,
+        what="the leases to expire",
+    )
+
+    assert store.recover_expired_leases() == dict.fromkeys(ids, State.PENDING)
+    rows = _fetch(
+        database_url,
+        "SELECT state, lease_owner, lease_expires_at, available_at <= now(), last_error "
+        "FROM outbox.messages ORDER BY seq",
+    )
+    owner = str(store.publisher_id)
+    for state, lease_owner, lease_expires_at, available, last_error in rows:
+        assert (state, lease_owner, lease_expires_at, available) == ("pending", None, None, True)
+        assert owner in last_error
+        assert "sending had not begun" in last_error
+    attempts = _fetch(
+        database_url,
+        "SELECT a.message_id, a.attempt, a.publisher_id, a.fence, a.outcome, a.send_began, "
+        "a.batch_id, a.finished_at IS NOT NULL, a.error FROM outbox.attempts AS a "
+        "JOIN outbox.messages AS m ON m.id = a.message_id ORDER BY m.seq",
+    )
+    assert [a[:8] for a in attempts] == [
+        (m, 1, store.publisher_id, 1, "abandoned", False, batch.id, True) for m in ids
+    ]
+    assert all(owner in a[8] and "nothing was sent" in a[8] for a in attempts)
+
+    before = _everything(database_url)
+    assert store.recover_expired_leases() == {}
+    assert _everything(database_url) == before
+    store.close()
+
+
+def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evidence(
+    database_url: str,
+) -> None:
+    """A lease that expired after sending began makes the message uncertain, never pending."""
+    [message_id] = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    store.register("test", os.getpid())
+    batch = store.claim(10, lease_seconds=30)
+    assert batch is not None
+    assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=60) == {message_id}
+    _expire(database_url, message_id)
+    [(lease_expiry, heartbeat)] = _fetch(
+        database_url,
+        "SELECT m.lease_expires_at::text, p.heartbeat_at::text "
+        "FROM outbox.messages AS m JOIN outbox.publishers AS p ON p.id = m.lease_owner",
+    )
+
+    assert store.recover_expired_leases() == {message_id: State.UNCERTAIN}
+    [row] = _fetch(
+        database_url,
+        "SELECT m.state, m.lease_owner, m.available_at >= b.write_deadline, "
+        "b.write_deadline > now(), m.last_error "
+        "FROM outbox.messages AS m JOIN outbox.batches AS b ON b.id = m.batch_id",
+    )
+    state, lease_owner, after_deadline, deadline_ahead, last_error = row
+    assert (state, lease_owner, after_deadline, deadline_ahead) == ("uncertain", None, True, True)
+    assert str(store.publisher_id) in last_error
+    assert f"expired at {lease_expiry}" in last_error
+    assert f"last heartbeat {heartbeat}" in last_error
+    assert "may be in Kafka" in last_error
+    attempts = _fetch(
+        database_url,
+        "SELECT publisher_id, fence, outcome, send_began, error FROM outbox.attempts",
+    )
+    assert attempts == [(store.publisher_id, 1, "abandoned", True, last_error)]
+    # Not claimable: an uncertain message is never resent without a decision.
+    assert store.claim(10, lease_seconds=30) is None
+    store.close()
+
+
+def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None:
+    """Recovery does not touch a lease that has not expired, however stale the heartbeat."""
+    [message_id] = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    store.register("test", os.getpid())
+    batch = store.claim(10, lease_seconds=30)
+    assert batch is not None
+    assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == {message_id}
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.publishers SET heartbeat_at = now() - interval '1 hour'")
+    before = _everything(database_url)
+
+    other = PublisherStore(database_url, uuid.uuid4())
+    assert other.recover_expired_leases() == {}
+    assert _everything(database_url) == before
+    assert _fetch(database_url, "SELECT state, lease_owner FROM outbox.messages") == [
+        ("in_flight", store.publisher_id)
+    ]
+    other.close()
+    store.close()
+
+
+def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_attempt(
+    database_url: str,
+) -> None:
+    """An expired in-flight row with no batch record is made uncertain, never pending."""
+    [message_id] = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    assert store.claim(10, lease_seconds=30) is not None
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.messages SET batch_id = NULL")
+    _expire(database_url, message_id)
+
+    assert store.recover_expired_leases() == {message_id: State.UNCERTAIN}
+    [(state, lease_owner, last_error)] = _fetch(
+        database_url, "SELECT state, lease_owner, last_error FROM outbox.messages"
+    )
+    assert (state, lease_owner) == ("uncertain", None)
+    assert last_error.startswith("legacy: ")
+    assert str(store.publisher_id) in last_error
+    attempts = _fetch(
+        database_url,
+        "SELECT attempt, publisher_id, fence, outcome, send_began, error, batch_id "
+        "FROM outbox.attempts",
+    )
+    assert attempts == [(1, store.publisher_id, 1, "abandoned", True, last_error, None)]
+    assert store.recover_expired_leases() == {}
+    store.close()
+
+
+def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url: str) -> None:
+    """After recovery reclaimed a never-sent batch, its old owner can neither send nor settle."""
+    ids = _enqueue(database_url, 2)
+    old = PublisherStore(database_url, uuid.uuid4())
+    batch = old.claim(10, lease_seconds=30)
+    assert batch is not None
+    _expire(database_url, *ids)
+    recovery = PublisherStore(database_url, uuid.uuid4())
+    assert recovery.recover_expired_leases() == dict.fromkeys(ids, State.PENDING)
+    before = _everything(database_url)
+
+    assert old.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == set()
+    assert _fetch(
+        database_url,
+        "SELECT send_began_at, write_deadline FROM outbox.batches WHERE id = %s",
+        batch.id,
+    ) == [(None, None)]
+    settlements = [
+        Settlement(m.id, m.fence, State.DELIVERED, "delivered", partition=0, offset=i)
+        for i, m in enumerate(batch.messages)
+    ]
+    assert old.settle(batch, settlements) == set()
+    after = _everything(database_url)
+    assert after[:2] == before[:2]  # messages and attempts: untouched
+    assert _fetch(database_url, "SELECT count(*) FROM outbox.partition_offsets") == [(0,)]
+    old.close()
+    recovery.close()
+
+
+def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None:
+    """renew=True extends live leases within half a lease of expiry; renew=False only heartbeats."""
+    soon, later, expired = _enqueue(database_url, 3)
+    store = PublisherStore(database_url, uuid.uuid4())
+    store.register("test", os.getpid())
+    assert store.claim(10, lease_seconds=30) is not None
+    with psycopg.connect(database_url) as conn:
+        for message_id, offset in ((soon, "5"), (later, "25"), (expired, "-1")):
+            conn.execute(
+                "UPDATE outbox.messages "
+                "SET lease_expires_at = now() + make_interval(secs => %s::float8) WHERE id = %s",
+                (offset, message_id),
+            )
+        conn.execute("UPDATE outbox.publishers SET heartbeat_at = now() - interval '1 hour'")
+
+    def leases() -> dict[uuid.UUID, object]:
+        return dict(_fetch(database_url, "SELECT id, lease_expires_at FROM outbox.messages"))
+
+    def heartbeat_age() -> float:
+        return float(
+            _fetch(
+                database_url,
+                "SELECT extract(epoch FROM now() - heartbeat_at) FROM outbox.publishers",
+            )[0][0]
+        )
+
+    before = leases()
+    assert store.heartbeat(30, renew=False) == 0
+    assert leases() == before
+    assert heartbeat_age() < 60
+
+    assert store.heartbeat(30, renew=True) == 1
+    after = leases()
+    assert after[later] == before[later]
+    assert after[expired] == before[expired]
+    [(renewed_ahead,)] = _fetch(
+        database_url,
+        "SELECT extract(epoch FROM lease_expires_at - now()) FROM outbox.messages WHERE id = %s",
+        soon,
+    )
+    assert 25 < renewed_ahead <= 30
+    store.close()
+
+
+def test_nothing_at_all_is_no_work_and_never_due(database_url: str) -> None:
+    """An empty outbox has no work left and nothing that will become due."""
+    store = PublisherStore(database_url, uuid.uuid4())
+    assert store.work_left() is False
+    assert store.seconds_until_due() is None
+    store.close()
+
+
+def test_pending_message_is_work_due_now(database_url: str) -> None:
+    """A claimable pending message is work left and due now; a backed-off one is due later."""
+    [message_id] = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    assert store.work_left() is True
+    due = store.seconds_until_due()
+    assert due is not None
+    assert due <= 0
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.messages SET available_at = now() + interval '40 seconds' WHERE id = %s",
+            (message_id,),
+        )
+    due = store.seconds_until_due()
+    assert due is not None
+    assert 35 < due <= 40
+    store.close()
+
+
+def test_in_flight_message_is_work_due_when_its_lease_expires(database_url: str) -> None:
+    """An in-flight message is work left, due when its lease expires."""
+    _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    assert store.claim(10, lease_seconds=30) is not None
+    assert store.work_left() is True
+    due = store.seconds_until_due()
+    assert due is not None
+    assert 25 < due <= 30
+    store.close()
+
+
+def test_uncertain_message_is_work_until_escalated(database_url: str) -> None:
+    """An uncertain message is due at its write deadline, and no work once escalated."""
+    [message_id] = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    batch = store.claim(10, lease_seconds=30)
+    assert batch is not None
+    store.mark_sending(batch, {"t": 3}, longest_send_seconds=50)
+    [m] = batch.messages
+    uncertain = Settlement(m.id, m.fence, State.UNCERTAIN, "uncertain", partition=0, error="E")
+    assert store.settle(batch, [uncertain]) == {message_id}
+    assert store.work_left() is True
+    due = store.seconds_until_due()
+    assert due is not None
+    assert 45 < due <= 50
+
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.messages SET escalated_at = now()")
+    assert store.work_left() is False
+    assert store.seconds_until_due() is None
+    store.close()

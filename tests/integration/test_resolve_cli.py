@@ -1,0 +1,266 @@
+"""``outbox resolve`` and ``outbox reconcile``: decisions by hand and by evidence, recorded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.states import State
+from publisher.store import PublisherStore, Settlement
+from tests.support import create_topic, delete_topic, make_uncertain, send_record
+
+pytestmark = pytest.mark.integration
+
+
+def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _enqueue(database_url: str, topic: str = "t") -> uuid.UUID:
+    with psycopg.connect(database_url) as conn:
+        return outbox.enqueue(conn, topic, b"payload")
+
+
+def _fetch(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _state(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
+    [row] = _fetch(
+        database_url,
+        "SELECT state, kafka_partition, kafka_offset FROM outbox.messages WHERE id = %s",
+        message_id,
+    )
+    return row
+
+
+def _decisions(database_url: str) -> list[tuple[Any, ...]]:
+    return _fetch(
+        database_url,
+        "SELECT message_id, decided_by, from_state, to_state, reason, evidence "
+        "FROM outbox.decisions ORDER BY id",
+    )
+
+
+def _quarantined(database_url: str) -> uuid.UUID:
+    """A message the broker refused for good, as a publisher settles it."""
+    message_id = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    batch = store.claim(10, lease_seconds=30)
+    assert batch is not None
+    [m] = batch.messages
+    refused = Settlement(
+        m.id,
+        m.fence,
+        State.QUARANTINED,
+        "failed",
+        error="MessageSizeTooLargeError",
+        send_began=False,
+    )
+    assert store.settle(batch, [refused]) == {message_id}
+    store.close()
+    return message_id
+
+
+def _delivered(database_url: str) -> uuid.UUID:
+    """A message the broker confirmed, as a publisher settles it."""
+    message_id = _enqueue(database_url)
+    store = PublisherStore(database_url, uuid.uuid4())
+    batch = store.claim(10, lease_seconds=30)
+    assert batch is not None
+    [m] = batch.messages
+    confirmed = Settlement(m.id, m.fence, State.DELIVERED, "delivered", partition=1, offset=4)
+    assert store.settle(batch, [confirmed]) == {message_id}
+    store.close()
+    return message_id
+
+
+def _uncertain(database_url: str) -> uuid.UUID:
+    message_id = _enqueue(database_url)
+    assert set(make_uncertain(database_url)) == {message_id}
+    return message_id
+
+
+def test_resolve_delivered_records_the_location_and_the_decision(database_url: str) -> None:
+    """resolve --delivered marks an uncertain message delivered where the operator found it."""
+    message_id = _uncertain(database_url)
+
+    result = _outbox(
+        "resolve",
+        str(message_id),
+        "--delivered",
+        "--partition",
+        "2",
+        "--offset",
+        "17",
+        "--reason",
+        "seen in kafka-console-consumer",
+        url=database_url,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "uncertain -> delivered" in result.stdout
+    [(state, partition, offset, delivered, last_error)] = _fetch(
+        database_url,
+        "SELECT state, kafka_partition, kafka_offset, delivered_at IS NOT NULL, last_error "
+        "FROM outbox.messages",
+    )
+    assert (state, partition, offset, delivered, last_error) == ("delivered", 2, 17, True, None)
+    [(decided_id, decided_by, from_state, to_state, reason, evidence)] = _decisions(database_url)
+    assert decided_id == message_id
+    assert decided_by.startswith("operator ")
+    assert (from_state, to_state) == ("uncertain", "delivered")
+    assert reason == "seen in kafka-console-consumer"
+    assert evidence == {"partition": 2, "offset": 17}
+
+
+@pytest.mark.parametrize("make", [_uncertain, _quarantined], ids=["uncertain", "quarantined"])
+@pytest.mark.parametrize(
+    ("flag", "to_state"), [("--pending", "pending"), ("--discard", "discarded")]
+)
+def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
+    database_url: str, make: Callable[[str], uuid.UUID], flag: str, to_state: str
+) -> None:
+    """resolve --pending / --discard moves an uncertain or quarantined message, with a decision."""
+    message_id = make(database_url)
+    [(from_state,)] = _fetch(database_url, "SELECT state FROM outbox.messages")
+
+    result = _outbox(
+        "resolve", str(message_id), flag, "--reason", "checked by hand", url=database_url
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{from_state} -> {to_state}" in result.stdout
+    [(state, available, escalated, last_error)] = _fetch(
+        database_url,
+        "SELECT state, available_at <= now(), escalated_at IS NULL, last_error "
+        "FROM outbox.messages",
+    )
+    assert (state, available, escalated) == (to_state, True, True)
+    assert last_error == f"{to_state} by an operator: checked by hand"
+    [(decided_id, decided_by, was, now, reason, evidence)] = _decisions(database_url)
+    assert decided_id == message_id
+    assert decided_by.startswith("operator ")
+    assert (was, now, reason, evidence) == (from_state, to_state, "checked by hand", {})
+    store = PublisherStore(database_url, uuid.uuid4())
+    claimed = store.claim(10, lease_seconds=30)
+    store.close()
+    assert (claimed is not None) == (to_state == "pending")
+
+
+def _assert_refused(
+    result: subprocess.CompletedProcess[str], database_url: str, before: list[tuple[Any, ...]]
+) -> None:
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("outbox: ")
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+    assert _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq") == before
+    assert _decisions(database_url) == []
+
+
+def test_resolve_refuses_a_pending_message_naming_its_state(database_url: str) -> None:
+    """Resolving a pending message exits 2 and says it is pending."""
+    message_id = _enqueue(database_url)
+    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    result = _outbox("resolve", str(message_id), "--discard", "--reason", "x", url=database_url)
+    _assert_refused(result, database_url, before)
+    assert f"message {message_id} is pending" in result.stderr
+
+
+def test_resolve_refuses_a_delivered_message_naming_its_state(database_url: str) -> None:
+    """Resolving a delivered message exits 2 and says it is delivered."""
+    message_id = _delivered(database_url)
+    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    result = _outbox("resolve", str(message_id), "--pending", "--reason", "x", url=database_url)
+    _assert_refused(result, database_url, before)
+    assert f"message {message_id} is delivered" in result.stderr
+
+
+def test_resolve_refuses_an_unknown_id(database_url: str) -> None:
+    """Resolving an id that is not in the outbox exits 2 and says there is no such message."""
+    _uncertain(database_url)
+    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    unknown = uuid.uuid4()
+    result = _outbox("resolve", str(unknown), "--discard", "--reason", "x", url=database_url)
+    _assert_refused(result, database_url, before)
+    assert f"no message {unknown}" in result.stderr
+
+
+def test_resolve_without_a_reason_is_a_usage_error(database_url: str) -> None:
+    """Leaving out --reason is refused by the argument parser with exit code 2."""
+    message_id = _uncertain(database_url)
+    result = _outbox("resolve", str(message_id), "--discard", url=database_url)
+    assert result.returncode == 2
+    assert "--reason" in result.stderr
+    assert "required" in result.stderr
+    assert _state(database_url, message_id)[0] == "uncertain"
+    assert _decisions(database_url) == []
+
+
+def test_resolve_refuses_an_offset_with_pending(database_url: str) -> None:
+    """--offset with --pending exits 2 and says the location only goes with --delivered."""
+    message_id = _uncertain(database_url)
+    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    result = _outbox(
+        "resolve", str(message_id), "--pending", "--offset", "3", "--reason", "x", url=database_url
+    )
+    _assert_refused(result, database_url, before)
+    assert "only go with --delivered" in result.stderr
+
+
+def test_reconcile_command_decides_found_and_absent_messages(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """outbox reconcile delivers the found message, returns the absent one to pending, exits 0."""
+    found = _enqueue(database_url, topic)
+    absent = _enqueue(database_url, topic)
+    partitions = make_uncertain(database_url)
+    offset = send_record(kafka_bootstrap, topic, partitions[found], found)
+
+    result = _outbox("reconcile", "--kafka-bootstrap", kafka_bootstrap, url=database_url)
+    assert result.returncode == 0, result.stderr
+    assert "reconciled: 1 delivered, 1 pending (proven absent), 0 escalated" in result.stdout
+    assert _state(database_url, found) == ("delivered", partitions[found], offset)
+    assert _state(database_url, absent)[0] == "pending"
+    assert _fetch(
+        database_url, "SELECT count(*) FROM outbox.messages WHERE state = 'uncertain'"
+    ) == [(0,)]
+    decisions = _decisions(database_url)
+    assert {(d[0], d[3]) for d in decisions} == {(found, "delivered"), (absent, "pending")}
+    assert all(d[1].startswith("operator ") for d in decisions)
+
+
+def test_reconcile_command_exits_1_when_a_message_is_escalated(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """outbox reconcile exits 1 when evidence is gone and a message stays uncertain."""
+    gone = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, gone, partitions=3)
+    message_id = _enqueue(database_url, gone)
+    make_uncertain(database_url)
+    delete_topic(kafka_bootstrap, gone)
+
+    result = _outbox("reconcile", "--kafka-bootstrap", kafka_bootstrap, url=database_url)
+    assert result.returncode == 1, result.stderr
+    assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
+    assert "1 message(s) still uncertain" in result.stdout
+    [(state, escalated)] = _fetch(
+        database_url, "SELECT state, escalated_at IS NOT NULL FROM outbox.messages"
+    )
+    assert (state, escalated) == ("uncertain", True)
+    [decision] = _decisions(database_url)
+    assert (decision[0], decision[3]) == (message_id, "uncertain")
