@@ -114,6 +114,9 @@ def end_to_end(
             outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE outbox.messages")
+            # Write the enqueued rows out now, so that a checkpoint does not
+            # land in the middle of the timed run.
+            conn.execute("CHECKPOINT")
         publisher = build_publisher(
             PublisherConfig(
                 database_url=url,
