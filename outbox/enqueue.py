@@ -20,7 +20,7 @@ from outbox.queries import query
 #: Rows per INSERT statement in ``enqueue_many``: 7 parameters a row stays far
 #: below PostgreSQL's limit of 65,535 parameters per statement.
 MAX_ROWS_PER_STATEMENT = 5_000
-_ROW = "(%s, %s, %s, %s, %s::text[], %s::bytea[], %s)"
+_ROW = "(%s::uuid, %s::text, %s::bytea, %s::bytea, %s::text[], %s::bytea[], %s::text)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,11 +3,26 @@
 -- A block starts with a line "-- name: <name>" and runs to the next one.
 
 -- name: insert_messages
--- Insert intents; {rows} is one "(%s, ...)" group per intent. A row whose
--- idempotency key is already taken is skipped, and its id is not returned.
+-- Insert intents; {rows} is one typed "(%s, ...)" group per intent. First,
+-- take a transaction-scoped advisory lock per key (in a fixed order, so two
+-- transactions never wait on each other in a cycle): enqueues of one key
+-- serialise until commit, so one key's seq follow its commit order. The locks
+-- are taken before any row (and its seq) is produced. A row whose idempotency
+-- key is already taken is skipped, and its id is not returned.
+WITH intent (id, topic, key, value, header_names, header_values, idempotency_key) AS (
+    VALUES {rows}
+), locked AS (
+    SELECT count(pg_advisory_xact_lock(lock_key)) AS keys
+    FROM (SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
+          FROM intent
+          WHERE key IS NOT NULL
+          ORDER BY lock_key) AS keys
+)
 INSERT INTO outbox.messages
     (id, topic, key, value, header_names, header_values, idempotency_key)
-VALUES {rows}
+SELECT id, topic, key, value, header_names, header_values, idempotency_key
+FROM intent
+WHERE (SELECT keys FROM locked) >= 0
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
 
@@ -17,16 +32,27 @@ FROM outbox.messages
 WHERE idempotency_key = ANY(%(keys)s::text[])
 
 -- name: claim_batch
--- Lease the next pending messages to one publisher, oldest first, and record
--- the claim as a batch (only when something was claimed). SKIP LOCKED lets
--- publishers claim side by side; every claim raises the row's fence.
+-- Lease the next claimable messages to one publisher, oldest first, and
+-- record the claim as a batch (only when something was claimed). A keyed
+-- message is claimable only when every earlier open message of its key is
+-- claimable too (pending and due): an earlier one in flight, uncertain,
+-- quarantined or waiting out a retry holds its key back, and only its key.
+-- SKIP LOCKED lets publishers claim side by side; every claim raises the fence.
 WITH next AS (
-    SELECT id
-    FROM outbox.messages
-    WHERE state = 'pending' AND available_at <= now()
-    ORDER BY seq
+    SELECT m.id
+    FROM outbox.messages AS m
+    WHERE m.state = 'pending' AND m.available_at <= now()
+      AND (m.key IS NULL OR NOT EXISTS (
+          SELECT 1
+          FROM outbox.messages AS e
+          WHERE e.key_hash = m.key_hash AND e.seq < m.seq
+            AND e.key IS NOT NULL
+            AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
+            AND e.topic = m.topic AND e.key = m.key
+            AND NOT (e.state = 'pending' AND e.available_at <= now())))
+    ORDER BY m.seq
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF m SKIP LOCKED
 ), batch AS (
     INSERT INTO outbox.batches (publisher_id)
     SELECT %(owner)s WHERE EXISTS (SELECT 1 FROM next)

@@ -87,6 +87,21 @@ def _parser() -> argparse.ArgumentParser:
     _setting(p, "--delivery-timeout-ms", int, d.delivery_timeout_ms, "producer delivery timeout")
     _setting(p, "--request-timeout-ms", int, d.request_timeout_ms, "producer request timeout")
     _setting(p, "--linger-ms", int, d.linger_ms, "producer linger")
+    _setting(
+        p,
+        "--retry-base-seconds",
+        float,
+        d.retry_base_seconds,
+        "first retry delay of a message Kafka did not take; doubles per attempt",
+    )
+    _setting(p, "--retry-cap-seconds", float, d.retry_cap_seconds, "longest retry delay")
+    _setting(
+        p,
+        "--max-attempts",
+        int,
+        d.max_attempts,
+        "attempts after which a message Kafka keeps refusing is quarantined",
+    )
     p.add_argument(
         "--exit-when-idle",
         action="store_true",
@@ -118,6 +133,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[PublisherConfig
         heartbeat_interval=args.heartbeat_interval,
         recovery_interval=args.recovery_interval,
         reconcile_interval=args.reconcile_interval,
+        retry_base_seconds=args.retry_base_seconds,
+        retry_cap_seconds=args.retry_cap_seconds,
+        max_attempts=args.max_attempts,
     )
     config.validate()
     return config, args.log_level

@@ -35,6 +35,10 @@ class PublisherConfig:
     #: First retry delay of a message Kafka did not take, doubled at each attempt.
     retry_base_seconds: float = 0.5
     retry_cap_seconds: float = 60.0
+    #: A message Kafka did not take this many times is quarantined instead of
+    #: retried again (at the 60 s cap, 50 attempts span about three quarters
+    #: of an hour, enough to ride out a broker restart).
+    max_attempts: int = 50
     linger_ms: int = 5
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
@@ -77,6 +81,8 @@ class PublisherConfig:
             )
         if self.retry_base_seconds <= 0 or self.retry_cap_seconds < self.retry_base_seconds:
             problems.append("retry delays need 0 < base <= cap")
+        if self.max_attempts < 1:
+            problems.append(f"max attempts must be at least 1, got {self.max_attempts}")
         if self.delivery_timeout_ms < self.linger_ms + self.request_timeout_ms:
             problems.append(
                 "delivery timeout must be at least linger + request timeout "

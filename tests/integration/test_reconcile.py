@@ -253,8 +253,13 @@ def test_scan_starts_above_the_confirmed_offset_when_sharing_a_pass(
         first = outbox.enqueue(conn, topic, b"first", key="k")
     # The first attempt began sending with nothing confirmed: it is searched from 0.
     partition = make_uncertain(database_url)[first]
+    # Another key of the same partition: a later message of key "k" would be
+    # held back behind the uncertain first one and never claimed.
+    other = next(
+        k for k in (f"k{i}" for i in range(100)) if partition_for(k.encode(), first, 3) == partition
+    )
     with psycopg.connect(database_url) as conn:
-        second = outbox.enqueue(conn, topic, b"second", key="k")
+        second = outbox.enqueue(conn, topic, b"second", key=other)
     old = send_record(kafka_bootstrap, topic, partition, second)
     with psycopg.connect(database_url) as conn:
         conn.execute(

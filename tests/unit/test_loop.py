@@ -413,7 +413,10 @@ def test_a_settlement_the_store_did_not_apply_counts_as_stale() -> None:
 def test_a_message_refused_on_a_very_late_attempt_is_still_settled() -> None:
     """A message refused on its 1,100th attempt is settled pending with a capped delay."""
     late = _message(attempt=1_100)
-    _, store, sink, publisher = _setup(late)
+    events: list[str] = []
+    store = FakeStore(events, [_batch(late)])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, replace(CONFIG, max_attempts=10_000))
     sink.reports[late.id] = SendReport(
         None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
     )
@@ -423,3 +426,25 @@ def test_a_message_refused_on_a_very_late_attempt_is_still_settled() -> None:
     (settlement,) = store.settled[0]
     assert settlement.state is State.PENDING
     assert 0 <= settlement.retry_after <= CONFIG.retry_cap_seconds
+
+
+@pytest.mark.parametrize(("attempt", "state"), [(4, State.PENDING), (5, State.QUARANTINED)])
+def test_a_message_not_written_at_max_attempts_is_quarantined(attempt: int, state: State) -> None:
+    """Past max_attempts, a not-written message is quarantined with the count and last error."""
+    message = _message(attempt=attempt)
+    events: list[str] = []
+    store = FakeStore(events, [_batch(message)])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, replace(CONFIG, max_attempts=5))
+    sink.reports[message.id] = SendReport(
+        None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
+    )
+
+    publisher.run_once()
+
+    (settlement,) = store.settled[0]
+    assert settlement.state is state
+    if state is State.QUARANTINED:
+        assert settlement.error is not None
+        assert settlement.error.startswith("gave up after 5 attempts; last: KafkaTimeoutError")
+        assert settlement.retry_after == 0
