@@ -20,9 +20,16 @@ import psycopg.errors
 
 from outbox.errors import OutboxError
 from outbox.migrations import current_version, migrate
-from outbox.operator import Resolution, operator_name, resolve
+from outbox.operator import (
+    Resolution,
+    discard,
+    operator_name,
+    resolve,
+    retry,
+    retry_quarantined,
+)
 from outbox.states import State
-from outbox.status import StateCount, read_status
+from outbox.status import HeldKey, StateCount, read_held_keys, read_status
 
 EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
@@ -53,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--json",
         action="store_true",
-        help='print {"counts": {state: n}, "states": [...], "healthy": bool}',
+        help='print {"counts": {state: n}, "held_keys": [...], "states": [...], "healthy": bool}',
     )
     reconcile = commands.add_parser(
         "reconcile",
@@ -90,13 +97,57 @@ def _parser() -> argparse.ArgumentParser:
     resolve_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
     resolve_cmd.add_argument("--partition", type=int, help="with --delivered: where it is")
     resolve_cmd.add_argument("--offset", type=int, help="with --delivered: its offset")
+    retry_cmd = commands.add_parser(
+        "retry",
+        help="send a quarantined message again (releases the key it holds)",
+        description="Move one quarantined message, or all of them (--quarantined, optionally "
+        "of one --topic), back to pending with a fresh retry budget. Fix what made Kafka refuse "
+        "it first. Each decision is recorded.",
+    )
+    target = retry_cmd.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "message_id", type=uuid.UUID, metavar="ID", nargs="?", help="the message id"
+    )
+    target.add_argument("--quarantined", action="store_true", help="every quarantined message")
+    retry_cmd.add_argument("--topic", help="with --quarantined: only this topic")
+    retry_cmd.add_argument(
+        "--reason", default="retried by an operator", help="stored with the decision"
+    )
+    discard_cmd = commands.add_parser(
+        "discard",
+        help="never deliver a pending, quarantined or uncertain message (releases its key)",
+        description="Decide that one message will not be delivered. Later messages of its key "
+        "then go on without it, so consumers see the key's stream with a gap. Recorded with "
+        "the reason.",
+    )
+    discard_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
+    discard_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
     return parser
 
 
-def _status_json(lines: list[StateCount]) -> str:
+def _key_text(key: bytes) -> str:
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return "0x" + key.hex()
+
+
+def _status_json(lines: list[StateCount], held: list[HeldKey]) -> str:
     return json.dumps(
         {
             "counts": {line.state: line.messages for line in lines},
+            "held_keys": [
+                {
+                    "topic": h.topic,
+                    "key": _key_text(h.key),
+                    "held_by": str(h.held_by),
+                    "state": h.state,
+                    "waiting": h.waiting,
+                    "reason": h.reason,
+                    "next_action": h.next_action,
+                }
+                for h in held
+            ],
             "healthy": all(line.healthy for line in lines),
             "states": [
                 {
@@ -113,6 +164,18 @@ def _status_json(lines: list[StateCount]) -> str:
         },
         indent=2,
     )
+
+
+def _held_table(held: list[HeldKey]) -> str:
+    if not held:
+        return ""
+    out = [f"\nHELD KEYS ({len(held)}): later messages of these keys wait"]
+    for h in held:
+        out.append(
+            f"  {h.topic} / {_key_text(h.key)}: held by {h.held_by} ({h.state}), "
+            f"{h.waiting} waiting\n    why: {h.reason}\n    next: {h.next_action}"
+        )
+    return "\n".join(out)
 
 
 def _status_table(lines: list[StateCount]) -> str:
@@ -142,7 +205,11 @@ def _migrate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     with psycopg.connect(args.database_url) as conn:
         lines = read_status(conn)
-    print(_status_json(lines) if args.json else _status_table(lines))
+        held = read_held_keys(conn)
+    if args.json:
+        print(_status_json(lines, held))
+    else:
+        print(_status_table(lines) + _held_table(held))
     return EXIT_OK if all(line.healthy for line in lines) else EXIT_ACTION_NEEDED
 
 
@@ -204,7 +271,41 @@ def _resolve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"migrate": _migrate, "status": _status, "reconcile": _reconcile, "resolve": _resolve}
+def _retry(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        if args.quarantined:
+            ids = retry_quarantined(conn, topic=args.topic, reason=args.reason)
+            scope = f" of topic {args.topic}" if args.topic else ""
+            print(f"{len(ids)} quarantined message(s){scope} -> pending ({args.reason})")
+            return EXIT_OK
+        if args.topic:
+            raise OutboxError("--topic only goes with --quarantined")
+        try:
+            before = retry(conn, args.message_id, args.reason)
+        except ValueError as exc:
+            raise OutboxError(str(exc)) from exc
+    print(f"message {args.message_id}: {before.value} -> pending ({args.reason})")
+    return EXIT_OK
+
+
+def _discard(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        try:
+            before = discard(conn, args.message_id, args.reason)
+        except ValueError as exc:
+            raise OutboxError(str(exc)) from exc
+    print(f"message {args.message_id}: {before.value} -> discarded ({args.reason})")
+    return EXIT_OK
+
+
+COMMANDS = {
+    "migrate": _migrate,
+    "status": _status,
+    "reconcile": _reconcile,
+    "resolve": _resolve,
+    "retry": _retry,
+    "discard": _discard,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Decisions an operator takes by hand, each recorded with its reason.
+"""Decisions an operator takes by hand (resolve, retry, discard), each recorded with its reason.
 
 Every decision moves one message by a conditional update on its current
 state and writes a row to ``outbox.decisions`` saying who decided what, when
@@ -65,10 +65,96 @@ def resolve(
     Raises ``DecisionRefused`` naming the message's actual state when it is
     not one of ``RESOLVABLE``, and ``ValueError`` for an empty reason.
     """
-    if not reason.strip():
-        raise ValueError("a decision needs a reason (--reason)")
     if resolution is not Resolution.DELIVERED and (partition is not None or offset is not None):
         raise ValueError("--partition and --offset only go with --delivered")
+    return _decide(
+        conn,
+        message_id,
+        State(resolution.value),
+        RESOLVABLE,
+        reason,
+        partition=partition,
+        offset=offset,
+        decided_by=decided_by,
+        action="resolved",
+    )
+
+
+def retry(
+    conn: psycopg.Connection[Any],
+    message_id: uuid.UUID,
+    reason: str = "retried by an operator",
+    *,
+    decided_by: str | None = None,
+) -> State:
+    """Send a quarantined message again, with a fresh retry budget; return its old state."""
+    return _decide(
+        conn,
+        message_id,
+        State.PENDING,
+        (State.QUARANTINED,),
+        reason,
+        decided_by=decided_by,
+        action="retried",
+    )
+
+
+def retry_quarantined(
+    conn: psycopg.Connection[Any],
+    *,
+    topic: str | None = None,
+    reason: str = "retried by an operator",
+    decided_by: str | None = None,
+) -> list[uuid.UUID]:
+    """Send every quarantined message (of ``topic``, or all) again; return their ids."""
+    with conn.transaction():
+        rows = conn.execute(
+            query("retry_quarantined"),
+            {"topic": topic, "reason": reason, "decided_by": decided_by or operator_name()},
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+#: The states an operator may discard a message from.
+DISCARDABLE = (State.PENDING, State.QUARANTINED, State.UNCERTAIN)
+
+
+def discard(
+    conn: psycopg.Connection[Any],
+    message_id: uuid.UUID,
+    reason: str,
+    *,
+    decided_by: str | None = None,
+) -> State:
+    """Decide that a message will never be delivered; return its old state.
+
+    This releases its key: later messages of the key go on without it.
+    """
+    return _decide(
+        conn,
+        message_id,
+        State.DISCARDED,
+        DISCARDABLE,
+        reason,
+        decided_by=decided_by,
+        action="discarded",
+    )
+
+
+def _decide(
+    conn: psycopg.Connection[Any],
+    message_id: uuid.UUID,
+    to_state: State,
+    from_states: tuple[State, ...],
+    reason: str,
+    *,
+    partition: int | None = None,
+    offset: int | None = None,
+    decided_by: str | None = None,
+    action: str,
+) -> State:
+    if not reason.strip():
+        raise ValueError("a decision needs a reason (--reason)")
     evidence: Mapping[str, Any] = {
         k: v for k, v in (("partition", partition), ("offset", offset)) if v is not None
     }
@@ -77,8 +163,8 @@ def resolve(
             query("resolve_message"),
             {
                 "id": message_id,
-                "to_state": resolution.value,
-                "from_states": [s.value for s in RESOLVABLE],
+                "to_state": to_state.value,
+                "from_states": [s.value for s in from_states],
                 "partition": partition,
                 "offset": offset,
                 "reason": reason,
@@ -92,6 +178,6 @@ def resolve(
     if not moved:
         raise DecisionRefused(
             f"message {message_id} is {state.value}; only "
-            f"{' or '.join(s.value for s in RESOLVABLE)} messages can be resolved"
+            f"{' or '.join(s.value for s in from_states)} messages can be {action}"
         )
     return state

@@ -69,10 +69,10 @@ WITH next AS (
     FROM next
     WHERE m.id = next.id
     RETURNING m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values,
-              m.fence, m.attempts
+              m.fence, m.attempts, m.failures
 )
 SELECT c.id, c.topic, c.key, c.value, c.header_names, c.header_values, c.fence, c.attempts,
-       b.id, b.claimed_at
+       c.failures, b.id, b.claimed_at
 FROM claimed AS c CROSS JOIN batch AS b
 ORDER BY c.seq
 
@@ -133,6 +133,7 @@ WITH outcome AS (
                            WHEN 'uncertain' THEN greatest(now(), (SELECT write_deadline FROM batch))
                            ELSE m.available_at END,
         last_error = o.error,
+        failures = CASE WHEN o.outcome = 'failed' THEN m.failures + 1 ELSE m.failures END,
         lease_owner = NULL,
         lease_expires_at = NULL,
         updated_at = now()
@@ -316,6 +317,7 @@ WITH target AS (
         delivered_at = CASE WHEN d.to_state = 'delivered' THEN now() END,
         available_at = CASE WHEN d.to_state = 'pending' THEN now() ELSE m.available_at END,
         escalated_at = NULL,
+        failures = 0,
         last_error = CASE WHEN d.to_state = 'delivered' THEN NULL
                           ELSE format('%%s by an operator: %%s', d.to_state, d.reason) END,
         updated_at = now()
@@ -328,6 +330,30 @@ WITH target AS (
     FROM moved
 )
 SELECT (SELECT state FROM target), EXISTS (SELECT 1 FROM moved)
+
+-- name: retry_quarantined
+-- An operator sends every quarantined message (of one topic, or all) again,
+-- with a fresh retry budget; each decision is recorded with its reason.
+WITH moved AS (
+    UPDATE outbox.messages AS m
+    SET state = 'pending',
+        available_at = now(),
+        failures = 0,
+        last_error = format('pending by an operator: %%s', %(reason)s::text),
+        updated_at = now()
+    WHERE m.state = 'quarantined' AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+    RETURNING m.id
+), logged AS (
+    INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason)
+    SELECT id, %(decided_by)s, 'quarantined', 'pending', %(reason)s::text
+    FROM moved
+)
+SELECT id FROM moved
+
+-- name: held_keys
+SELECT topic, key, held_by, state, waiting, reason, next_action
+FROM outbox.held_keys
+ORDER BY topic, key
 
 -- name: work_left
 -- Whether anything may still need this publisher: messages pending, in flight,

@@ -1,7 +1,8 @@
-"""Reading the ``outbox.status`` view: counts by state and the next safe action."""
+"""Reading the status views: counts by state, held keys, and the next safe action."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -27,3 +28,23 @@ def read_status(conn: psycopg.Connection[Any]) -> list[StateCount]:
     with conn.cursor() as cur:
         cur.execute(query("status"))
         return [StateCount(*row) for row in cur.fetchall()]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKey:
+    """A key whose oldest open message cannot move on by itself (``outbox.held_keys``)."""
+
+    topic: str
+    key: bytes
+    held_by: uuid.UUID
+    state: str
+    waiting: int
+    reason: str
+    next_action: str
+
+
+def read_held_keys(conn: psycopg.Connection[Any]) -> list[HeldKey]:
+    """Every held key, the message that holds it, why, and how many messages wait behind it."""
+    with conn.cursor() as cur:
+        cur.execute(query("held_keys"))
+        return [HeldKey(*row) for row in cur.fetchall()]

@@ -257,12 +257,12 @@ class Publisher:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
         error = None if report.error is None else f"{type(report.error).__name__}: {report.error}"
         retry_after = 0.0
-        if outcome is SendOutcome.NOT_WRITTEN and m.attempt >= self.config.max_attempts:
+        if outcome is SendOutcome.NOT_WRITTEN and m.failures + 1 >= self.config.max_attempts:
             outcome = SendOutcome.NON_RETRIABLE
-            error = f"gave up after {m.attempt} attempts; last: {error}"
+            error = f"gave up after {m.failures + 1} attempts; last: {error}"
         elif outcome is SendOutcome.NOT_WRITTEN:
             retry_after = retry_delay(
-                m.attempt,
+                m.failures + 1,
                 base_seconds=self.config.retry_base_seconds,
                 cap_seconds=self.config.retry_cap_seconds,
             )

@@ -35,6 +35,8 @@ class ClaimedMessage:
     headers: list[tuple[str, bytes]]
     fence: int
     attempt: int
+    #: Attempts that ended "not written" since the last operator decision.
+    failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +169,11 @@ class PublisherStore:
                 headers=list(zip(row[4], row[5], strict=True)),
                 fence=row[6],
                 attempt=row[7],
+                failures=row[8],
             )
             for row in rows
         ]
-        return Batch(id=rows[0][8], messages=messages, claimed_at=rows[0][9])
+        return Batch(id=rows[0][9], messages=messages, claimed_at=rows[0][10])
 
     def mark_sending(
         self, batch: Batch, partition_counts: Mapping[str, int], longest_send_seconds: float

@@ -14,6 +14,11 @@ ALTER TABLE outbox.messages
              ELSE hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) END
     ) STORED;
 
+-- Attempts that ended "not written" since the last operator decision; past
+-- the publisher's maximum the message is quarantined. (attempts keeps
+-- counting every attempt ever made and numbers the attempt records.)
+ALTER TABLE outbox.messages ADD COLUMN failures integer NOT NULL DEFAULT 0;
+
 -- Earlier open messages of a key, for the hold check of the claim and for the
 -- held_keys view; delivered and discarded rows are not in it, so it stays small.
 CREATE INDEX messages_open_keys ON outbox.messages (key_hash, seq)

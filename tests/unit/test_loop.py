@@ -158,6 +158,7 @@ def _message(
     fence: int = 1,
     attempt: int = 1,
 ) -> ClaimedMessage:
+    """A claimed message whose earlier attempts all ended "not written"."""
     return ClaimedMessage(
         id=new_message_id(),
         topic=topic,
@@ -166,6 +167,7 @@ def _message(
         headers=headers if headers is not None else [],
         fence=fence,
         attempt=attempt,
+        failures=attempt - 1,
     )
 
 
