@@ -47,7 +47,8 @@ WITH next AS (
           FROM outbox.messages AS e
           WHERE e.key_hash = m.key_hash AND e.seq < m.seq
             AND e.key IS NOT NULL
-            AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
+            AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
+                 OR (e.state = 'pending' AND e.failures > 0))
             AND e.topic = m.topic AND e.key = m.key
             AND NOT (e.state = 'pending' AND e.available_at <= now())))
     ORDER BY m.seq
@@ -356,11 +357,25 @@ FROM outbox.held_keys
 ORDER BY topic, key
 
 -- name: work_left
--- Whether anything may still need this publisher: messages pending, in flight,
--- or uncertain and not yet escalated to an operator.
-SELECT EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'pending')
-    OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'in_flight')
+-- Whether anything may still need a publisher: a message in flight, uncertain
+-- and not yet escalated, or pending and not held back behind a message only
+-- an operator can move (quarantined, or uncertain and escalated).
+SELECT EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'in_flight')
     OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
+    OR EXISTS (
+        SELECT 1
+        FROM outbox.messages AS m
+        WHERE m.state = 'pending'
+          AND (m.key IS NULL OR NOT EXISTS (
+              SELECT 1
+              FROM outbox.messages AS e
+              WHERE e.key_hash = m.key_hash AND e.seq < m.seq
+                AND e.key IS NOT NULL
+                AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
+                     OR (e.state = 'pending' AND e.failures > 0))
+                AND e.topic = m.topic AND e.key = m.key
+                AND (e.state = 'quarantined'
+                     OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL)))))
 
 -- name: seconds_until_due
 -- Seconds until the next message needs this publisher: a pending message

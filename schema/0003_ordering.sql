@@ -19,10 +19,18 @@ ALTER TABLE outbox.messages
 -- counting every attempt ever made and numbers the attempt records.)
 ALTER TABLE outbox.messages ADD COLUMN failures integer NOT NULL DEFAULT 0;
 
--- Earlier open messages of a key, for the hold check of the claim and for the
--- held_keys view; delivered and discarded rows are not in it, so it stays small.
+-- Open messages of a key, for the held_keys view and work_left; delivered and
+-- discarded rows are not in it.
 CREATE INDEX messages_open_keys ON outbox.messages (key_hash, seq)
     WHERE key IS NOT NULL AND state IN ('pending', 'in_flight', 'uncertain', 'quarantined');
+-- The messages that can hold a key back: in flight, uncertain, quarantined,
+-- or pending after a failure (only those can be waiting out a retry). The
+-- claim's hold check probes this small index once per candidate, instead of
+-- walking every earlier pending message of a busy key.
+CREATE INDEX messages_key_blockers ON outbox.messages (key_hash, seq)
+    WHERE key IS NOT NULL
+      AND (state IN ('in_flight', 'uncertain', 'quarantined')
+           OR (state = 'pending' AND failures > 0));
 
 -- Keys whose oldest open message cannot move on by itself, and what waits
 -- behind it: the hold is visible, with the message that holds it and why.

@@ -1,0 +1,227 @@
+"""Per-key order in commit order, and holds that stall only their own key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.states import State
+from publisher.store import PublisherStore, Settlement
+from tests.support import count_by_state, publish_until_idle, read_topic, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _values_by_key(kafka_bootstrap: str, topic: str) -> dict[bytes | None, list[bytes]]:
+    """Each key's values in the order a consumer reads them."""
+    by_key: dict[bytes | None, list[bytes]] = {}
+    for r in sorted(read_topic(kafka_bootstrap, topic), key=lambda r: (r.partition, r.offset)):
+        by_key.setdefault(r.key, []).append(r.value)
+    return by_key
+
+
+def _waiting_on_lock(database_url: str, application_name: str) -> bool:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def _outbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_same_key_reaches_kafka_in_commit_order_not_allocation_order(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """The transaction that enqueues a key second waits for the first, so order is commit order.
+
+    Without the per-key lock, the second transaction would take its id after
+    the first and could commit before it; a publisher reading in id order
+    would then send them in the wrong order, or skip the later commit.
+    """
+    name = f"second-{uuid.uuid4().hex[:8]}"
+    first = psycopg.connect(database_url)
+    second = psycopg.connect(database_url, application_name=name)
+    try:
+        outbox.enqueue(first, topic, b"first", key="account-1")
+        outbox.enqueue(second, topic, b"other key", key="account-2")  # no wait: another key
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(outbox.enqueue, second, topic, b"second", key="account-1")
+            wait_until(
+                lambda: _waiting_on_lock(database_url, name),
+                timeout=10,
+                what="the second transaction to wait for the first",
+            )
+            assert not late.done()
+            first.commit()
+            late.result(timeout=10)
+        second.commit()
+    finally:
+        first.close()
+        second.close()
+    publish_until_idle(database_url, kafka_bootstrap)
+    assert _values_by_key(kafka_bootstrap, topic)[b"account-1"] == [b"first", b"second"]
+
+
+def test_concurrent_writers_keep_each_keys_order(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Eight writers on three hot keys: each key's records are in the order they committed."""
+    committed: dict[str, list[int]] = {"hot-0": [], "hot-1": [], "hot-2": []}
+
+    def writer(w: int) -> None:
+        with psycopg.connect(database_url) as conn:
+            for i in range(60):
+                key = f"hot-{(w + i) % 3}"
+                with conn.transaction():
+                    outbox.enqueue(conn, topic, json.dumps([w, i]), key=key)
+                    # Taken while the key's enqueue lock is held, so this list
+                    # is in the key's commit order.
+                    committed[key].append(w * 1000 + i)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(writer, range(8)))
+    publish_until_idle(database_url, kafka_bootstrap, batch_size=50)
+    by_key = _values_by_key(kafka_bootstrap, topic)
+    for key, order in committed.items():
+        read = [w * 1000 + i for w, i in (json.loads(v) for v in by_key[key.encode()])]
+        assert read == order, key
+
+
+def _quarantine_head(database_url: str, topic: str, key: str) -> tuple[uuid.UUID, list[uuid.UUID]]:
+    """Enqueue three messages of ``key`` and quarantine the first, as the publisher would."""
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"{key}-{i}", key=key) for i in range(3)]
+        )
+    store = PublisherStore(database_url, uuid.uuid4())
+    batch = store.claim(1, lease_seconds=30)
+    assert batch is not None
+    assert [m.id for m in batch.messages] == ids[:1]
+    store.settle(
+        batch,
+        [
+            Settlement(
+                ids[0],
+                batch.messages[0].fence,
+                State.QUARANTINED,
+                "failed",
+                error="MessageSizeTooLargeError: too big",
+                send_began=True,
+            )
+        ],
+    )
+    store.close()
+    return ids[0], ids[1:]
+
+
+def test_quarantined_message_holds_its_key_only_until_retried(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Later messages of a quarantined one's key wait, every other key flows; retry releases it."""
+    held_by, waiting = _quarantine_head(database_url, topic, "stuck")
+    with psycopg.connect(database_url) as conn:
+        free = outbox.enqueue_many(
+            conn,
+            [outbox.Message(topic, f"free-{i}", key=f"free-{i % 2}") for i in range(4)]
+            + [outbox.Message(topic, b"unkeyed") for _ in range(2)],
+        )
+    publish_until_idle(database_url, kafka_bootstrap)
+    assert count_by_state(database_url) == {"quarantined": 1, "pending": 2, "delivered": 6}
+    assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic)} == set(free)
+
+    status = _outbox(database_url, "status", "--json")
+    assert status.returncode == 1
+    [held] = json.loads(status.stdout)["held_keys"]
+    assert held["key"] == "stuck"
+    assert held["held_by"] == str(held_by)
+    assert held["waiting"] == 2
+    assert "MessageSizeTooLargeError" in held["reason"]
+    assert "outbox retry" in held["next_action"]
+    assert "HELD KEYS (1)" in _outbox(database_url, "status").stdout
+
+    retried = _outbox(database_url, "retry", str(held_by), "--reason", "topic limit raised")
+    assert retried.returncode == 0, retried.stderr
+    publish_until_idle(database_url, kafka_bootstrap)
+    assert _values_by_key(kafka_bootstrap, topic)[b"stuck"] == [b"stuck-0", b"stuck-1", b"stuck-2"]
+    with psycopg.connect(database_url) as conn:
+        decision = conn.execute(
+            "SELECT from_state, to_state, reason FROM outbox.decisions WHERE message_id = %s",
+            (held_by,),
+        ).fetchall()
+    assert decision == [("quarantined", "pending", "topic limit raised")]
+    assert waiting
+    assert count_by_state(database_url) == {"delivered": 9}
+
+
+def test_discarding_the_holder_lets_its_key_go_on_without_it(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """An operator discards the quarantined head: the rest of its key is delivered, in order."""
+    held_by, _ = _quarantine_head(database_url, topic, "stuck")
+    result = _outbox(database_url, "discard", str(held_by), "--reason", "obsolete event")
+    assert result.returncode == 0, result.stderr
+    publish_until_idle(database_url, kafka_bootstrap)
+    assert _values_by_key(kafka_bootstrap, topic)[b"stuck"] == [b"stuck-1", b"stuck-2"]
+    assert count_by_state(database_url) == {"discarded": 1, "delivered": 2}
+    refused = _outbox(database_url, "discard", str(held_by), "--reason", "again")
+    assert refused.returncode == 2
+    assert "is discarded" in refused.stderr
+
+
+def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None:
+    """A message waiting out a retry is not overtaken by later messages of its key."""
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(
+            conn,
+            [outbox.Message("t", b"a1", key="a"), outbox.Message("t", b"a2", key="a"),
+             outbox.Message("t", b"b1", key="b")],
+        )  # fmt: skip
+    store = PublisherStore(database_url, uuid.uuid4())
+    first = store.claim(1, lease_seconds=30)
+    assert first is not None
+    store.settle(
+        first,
+        [
+            Settlement(
+                ids[0],
+                first.messages[0].fence,
+                State.PENDING,
+                "failed",
+                retry_after=60,
+                error="KafkaTimeoutError",
+                send_began=False,
+            )
+        ],
+    )
+    second = store.claim(10, lease_seconds=30)
+    store.close()
+    assert second is not None
+    assert [m.id for m in second.messages] == [ids[2]]  # b1 only: a2 waits behind a1
+
+
+def test_retry_quarantined_by_topic_moves_only_that_topic(database_url: str) -> None:
+    """retry --quarantined --topic T sends T's quarantined messages again, and no others."""
+    held_t, _ = _quarantine_head(database_url, "t1", "k")
+    held_u, _ = _quarantine_head(database_url, "t2", "k")
+    result = _outbox(database_url, "retry", "--quarantined", "--topic", "t1")
+    assert result.returncode == 0, result.stderr
+    assert "1 quarantined message(s) of topic t1 -> pending" in result.stdout
+    with psycopg.connect(database_url) as conn:
+        states = dict(conn.execute(
+            "SELECT id, state FROM outbox.messages WHERE id = ANY(%s)", ([held_t, held_u],)
+        ).fetchall())  # fmt: skip
+    assert states == {held_t: "pending", held_u: "quarantined"}
