@@ -221,7 +221,7 @@ def test_retry_quarantined_by_topic_moves_only_that_topic(database_url: str) -> 
     assert result.returncode == 0, result.stderr
     assert "1 quarantined message(s) of topic t1 -> pending" in result.stdout
     with psycopg.connect(database_url) as conn:
-        states = dict(conn.execute(
+        states: dict[uuid.UUID, str] = dict(conn.execute(
             "SELECT id, state FROM outbox.messages WHERE id = ANY(%s)", ([held_t, held_u],)
         ).fetchall())  # fmt: skip
     assert states == {held_t: "pending", held_u: "quarantined"}
