@@ -32,16 +32,24 @@ FROM outbox.messages
 WHERE idempotency_key = ANY(%(keys)s::text[])
 
 -- name: claim_batch
--- Lease the next claimable messages to one publisher, oldest first, and
--- record the claim as a batch (only when something was claimed). A keyed
+-- Lease the next claimable messages of this publisher's lanes to it, oldest
+-- first, and record the claim as a batch (only when something was claimed). A keyed
 -- message is claimable only when every earlier open message of its key is
 -- claimable too (pending and due): an earlier one in flight, uncertain,
 -- quarantined or waiting out a retry holds its key back, and only its key.
 -- SKIP LOCKED lets publishers claim side by side; every claim raises the fence.
-WITH next AS (
+WITH mine AS (
+    -- The lanes this publisher owns. FOR SHARE: a lane cannot change owner
+    -- while one of its claims runs, so two publishers never claim in one lane.
+    SELECT lane
+    FROM outbox.lanes
+    WHERE owner = %(owner)s AND lease_expires_at > now()
+    FOR SHARE
+), next AS (
     SELECT m.id
     FROM outbox.messages AS m
     WHERE m.state = 'pending' AND m.available_at <= now()
+      AND m.lane IN (SELECT lane FROM mine)
       AND (m.key IS NULL OR NOT EXISTS (
           SELECT 1
           FROM outbox.messages AS e
@@ -415,6 +423,48 @@ WITH alive AS (
     RETURNING m.id
 )
 SELECT count(*) FROM renewed
+
+-- name: renew_lanes
+-- Renew the leases of the lanes this publisher owns; an expired one is lost
+-- (another publisher may have taken it). Returns the lanes still owned.
+UPDATE outbox.lanes
+SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s::float8)
+WHERE owner = %(owner)s AND lease_expires_at > now()
+RETURNING lane
+
+-- name: fair_share
+-- How many lanes each live publisher should own (rounded up).
+SELECT ceil((SELECT count(*) FROM outbox.lanes)::numeric
+            / greatest(count(*), 1))::integer
+FROM outbox.publishers
+WHERE stopped_at IS NULL
+  AND heartbeat_at > now() - make_interval(secs => %(lease_seconds)s::float8)
+
+-- name: acquire_lanes
+-- Take up to %(count)s lanes that nobody owns or whose owner's lease expired.
+WITH free AS (
+    SELECT lane
+    FROM outbox.lanes
+    WHERE owner IS NULL OR lease_expires_at < now()
+    ORDER BY lane
+    LIMIT %(count)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox.lanes AS l
+SET owner = %(owner)s,
+    lease_expires_at = now() + make_interval(secs => %(lease_seconds)s::float8),
+    fence = l.fence + 1,
+    acquired_at = now()
+FROM free
+WHERE l.lane = free.lane
+RETURNING l.lane
+
+-- name: release_lanes
+-- Give lanes up (all of this publisher's when lanes is NULL), for others to take.
+UPDATE outbox.lanes
+SET owner = NULL, lease_expires_at = NULL, fence = fence + 1
+WHERE owner = %(owner)s AND (%(lanes)s::smallint[] IS NULL OR lane = ANY(%(lanes)s::smallint[]))
+RETURNING lane
 
 -- name: stop_publisher
 UPDATE outbox.publishers SET stopped_at = now(), heartbeat_at = now() WHERE id = %(id)s

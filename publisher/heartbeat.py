@@ -1,9 +1,10 @@
-"""The publisher's heartbeat: proof of life, and lease renewal while work progresses.
+"""The publisher's heartbeat: proof of life, lease renewal, and its share of lanes.
 
 A background thread, on a connection of its own, updates
-``outbox.publishers.heartbeat_at`` every interval and renews the leases this
-publisher holds that would expire within half a lease. It renews only while
-the publisher loop reports progress: a loop that is stuck must lose its
+``outbox.publishers.heartbeat_at`` every interval, renews the message leases
+this publisher holds that would expire within half a lease, and keeps its
+fair share of lanes (``publisher.lanes``). It renews message leases only
+while the publisher loop reports progress: a loop that is stuck must lose its
 leases, so that recovery can move its messages on.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from publisher.lanes import LaneKeeper
 from publisher.store import PublisherStore
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,10 @@ class Heartbeat:
         interval: float,
         lease_seconds: float,
         progressing: Callable[[], bool],
+        lanes: LaneKeeper | None = None,
     ) -> None:
         self._store = store
+        self.lanes = lanes
         self._interval = interval
         self._lease_seconds = lease_seconds
         self._progressing = progressing
@@ -49,14 +53,21 @@ class Heartbeat:
         renewed = self._store.heartbeat(self._lease_seconds, renew=self._progressing())
         if renewed:
             log.debug("renewed %d leases", renewed)
+        if self.lanes is not None:
+            self.lanes.balance()
         return renewed
 
     def stop(self) -> None:
-        """Stop beating and close the heartbeat's connection."""
+        """Stop beating, give the lanes back, and close the heartbeat's connection."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self.lanes is not None:
+            try:
+                self.lanes.release_all()
+            except psycopg.Error as exc:
+                log.warning("could not give the lanes back (they expire on their own): %s", exc)
         self._store.close()
 
     def _run(self) -> None:

@@ -34,6 +34,7 @@ from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.faults import Faults
 from publisher.heartbeat import Heartbeat
+from publisher.lanes import LaneKeeper
 from publisher.outcomes import ATTEMPT_OUTCOME, NEXT_STATE, SendOutcome, classify, retry_delay
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
@@ -96,6 +97,7 @@ class Publisher:
                 interval=config.heartbeat_interval,
                 lease_seconds=config.lease_seconds,
                 progressing=self._progressing,
+                lanes=LaneKeeper(heartbeat_store, config.lease_seconds),
             )
             if heartbeat_store is not None
             else None
@@ -121,6 +123,7 @@ class Publisher:
         self.store.register(self._version, self._pid)
         self.waker.start()
         if self.heartbeat is not None:
+            self.heartbeat.beat()  # take a share of the lanes before the first claim
             self.heartbeat.start()
         log.info(
             "publisher %s started (batch %d, lease %gs, poll %gs)",

@@ -146,6 +146,30 @@ class PublisherStore:
         ).fetchone()
         return int(row[0]) if row else 0
 
+    def renew_lanes(self, lease_seconds: float) -> tuple[set[int], int]:
+        """Renew this publisher's unexpired lanes; return them and the fair share, atomically."""
+        params = {"owner": self.publisher_id, "lease_seconds": float(lease_seconds)}
+        with self.conn.transaction():
+            kept = {row[0] for row in self.conn.execute(query("renew_lanes"), params)}
+            row = self.conn.execute(query("fair_share"), params).fetchone()
+        return kept, int(row[0]) if row else 1
+
+    def acquire_lanes(self, count: int, lease_seconds: float) -> set[int]:
+        """Take up to ``count`` free or expired lanes; return those taken."""
+        rows = self.conn.execute(
+            query("acquire_lanes"),
+            {"owner": self.publisher_id, "count": count, "lease_seconds": float(lease_seconds)},
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    def release_lanes(self, lanes: Sequence[int] | None) -> set[int]:
+        """Give back the given lanes (all when ``None``); return those given back."""
+        rows = self.conn.execute(
+            query("release_lanes"),
+            {"owner": self.publisher_id, "lanes": None if lanes is None else list(lanes)},
+        ).fetchall()
+        return {row[0] for row in rows}
+
     def mark_stopped(self) -> None:
         """Record a clean stop."""
         self.conn.execute(query("stop_publisher"), {"id": self.publisher_id})

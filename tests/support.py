@@ -226,7 +226,7 @@ def make_uncertain(
     ``longest_send_seconds`` away), then every message was settled uncertain
     with the partition chosen for it. Returns each message's id and partition.
     """
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     try:
         batch = store.claim(1000, lease_seconds=30)
         assert batch is not None, "nothing pending to make uncertain"
@@ -290,3 +290,38 @@ def delete_topic(bootstrap: str, topic: str) -> None:
         )
     finally:
         consumer.close()
+
+
+class ClaimingStore(PublisherStore):
+    """A PublisherStore that owns every lane while it is open.
+
+    Claims only see the claiming publisher's lanes; tests that drive the store
+    by hand (no heartbeat, no lane keeper) take all of them over, and give
+    them back on ``close()`` so that a real publisher can take them next.
+    """
+
+    def take_all_lanes(self) -> None:
+        """Own every lane, whoever held it."""
+        with psycopg.connect(self.conninfo) as conn:
+            conn.execute(
+                "UPDATE outbox.lanes SET owner = %s, "
+                "lease_expires_at = now() + interval '1 hour', fence = fence + 1",
+                (self.publisher_id,),
+            )
+
+    def close(self) -> None:
+        """Give the lanes back, then close."""
+        with psycopg.connect(self.conninfo) as conn:
+            conn.execute(
+                "UPDATE outbox.lanes SET owner = NULL, lease_expires_at = NULL "
+                "WHERE owner = %s",
+                (self.publisher_id,),
+            )
+        super().close()
+
+
+def claiming_store(database_url: str) -> ClaimingStore:
+    """A store that owns every lane until it is closed (see ``ClaimingStore``)."""
+    store = ClaimingStore(database_url, uuid.uuid4())
+    store.take_all_lanes()
+    return store

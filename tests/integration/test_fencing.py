@@ -9,7 +9,8 @@ import pytest
 
 import outbox
 from outbox.states import State
-from publisher.store import PublisherStore, Settlement
+from publisher.store import Settlement
+from tests.support import claiming_store
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +30,14 @@ def test_claim_leases_in_order_and_raises_the_fence(database_url: str) -> None:
     """One claim statement leases the oldest pending messages, fence and attempts + 1."""
     with psycopg.connect(database_url) as conn:
         ids = outbox.enqueue_many(conn, [outbox.Message("t", f"{i}") for i in range(5)])
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(limit=3, lease_seconds=30)
     assert batch is not None
     assert [m.id for m in batch.messages] == ids[:3]
     assert all(m.fence == 1 and m.attempt == 1 for m in batch.messages)
     assert _row(database_url, ids[0]) == ("in_flight", 1, 1, store.publisher_id, None, None, True)
     assert _row(database_url, ids[3])[0] == "pending"
-    second = PublisherStore(database_url, uuid.uuid4()).claim(limit=10, lease_seconds=30)
+    second = claiming_store(database_url).claim(limit=10, lease_seconds=30)
     assert second is not None
     assert [m.id for m in second.messages] == ids[3:]  # SKIP LOCKED / state: no overlap
     store.close()
@@ -46,7 +47,7 @@ def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
     """After another publisher re-claimed a message, the old owner's confirm is ignored."""
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(conn, "t", b"x")
-    old = PublisherStore(database_url, uuid.uuid4())
+    old = claiming_store(database_url)
     old_batch = old.claim(limit=10, lease_seconds=30)
     assert old_batch is not None
     # The lease is taken away (as recovery does after it expires) and re-claimed.
@@ -56,7 +57,7 @@ def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
             "lease_expires_at = NULL WHERE id = %s",
             (message_id,),
         )
-    new = PublisherStore(database_url, uuid.uuid4())
+    new = claiming_store(database_url)
     new_batch = new.claim(limit=10, lease_seconds=30)
     assert new_batch is not None
     assert new_batch.messages[0].fence == old_batch.messages[0].fence + 1
@@ -89,7 +90,7 @@ def test_settle_records_each_outcome_and_its_attempt(database_url: str) -> None:
     """One settle statement moves each message to its own next state with evidence."""
     with psycopg.connect(database_url) as conn:
         ids = outbox.enqueue_many(conn, [outbox.Message("t", f"{i}") for i in range(4)])
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(limit=10, lease_seconds=30)
     assert batch is not None
     f = [m.fence for m in batch.messages]

@@ -13,8 +13,8 @@ import pytest
 
 import outbox
 from outbox.states import State
-from publisher.store import PublisherStore, Settlement
-from tests.support import count_by_state, publish_until_idle, read_topic, wait_until
+from publisher.store import Settlement
+from tests.support import claiming_store, count_by_state, publish_until_idle, read_topic, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +107,7 @@ def _quarantine_head(database_url: str, topic: str, key: str) -> tuple[uuid.UUID
         ids = outbox.enqueue_many(
             conn, [outbox.Message(topic, f"{key}-{i}", key=key) for i in range(3)]
         )
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(1, lease_seconds=30)
     assert batch is not None
     assert [m.id for m in batch.messages] == ids[:1]
@@ -190,7 +190,7 @@ def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None
             [outbox.Message("t", b"a1", key="a"), outbox.Message("t", b"a2", key="a"),
              outbox.Message("t", b"b1", key="b")],
         )  # fmt: skip
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     first = store.claim(1, lease_seconds=30)
     assert first is not None
     store.settle(

@@ -14,8 +14,8 @@ import outbox
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
-from publisher.store import PublisherStore
 from tests.support import (
+    claiming_store,
     delete_topic,
     make_uncertain,
     publish_until_idle,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def reconciler(database_url: str, kafka_bootstrap: str) -> Iterator[Reconciler]:
     """A reconciler with a real scanner, recording its decisions as "test"."""
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     scanner = KafkaLogScanner(kafka_bootstrap)
     yield Reconciler(store, scanner, "test")
     scanner.close()

@@ -11,8 +11,8 @@ import pytest
 
 import outbox
 from outbox.states import State
-from publisher.store import PublisherStore, Settlement
-from tests.support import wait_until
+from publisher.store import Settlement
+from tests.support import claiming_store, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
 ) -> None:
     """A lease that expired before sending began is returned to pending, and only once."""
     ids = _enqueue(database_url, 2)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(10, lease_seconds=0.3)
     assert batch is not None
     wait_until(
@@ -95,7 +95,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
 ) -> None:
     """A lease that expired after sending began makes the message uncertain, never pending."""
     [message_id] = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     store.register("test", os.getpid())
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
@@ -133,7 +133,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
 def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None:
     """Recovery does not touch a lease that has not expired, however stale the heartbeat."""
     [message_id] = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     store.register("test", os.getpid())
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
@@ -142,7 +142,7 @@ def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None
         conn.execute("UPDATE outbox.publishers SET heartbeat_at = now() - interval '1 hour'")
     before = _everything(database_url)
 
-    other = PublisherStore(database_url, uuid.uuid4())
+    other = claiming_store(database_url)
     assert other.recover_expired_leases() == {}
     assert _everything(database_url) == before
     assert _fetch(database_url, "SELECT state, lease_owner FROM outbox.messages") == [
@@ -157,7 +157,7 @@ def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_at
 ) -> None:
     """An expired in-flight row with no batch record is made uncertain, never pending."""
     [message_id] = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     assert store.claim(10, lease_seconds=30) is not None
     with psycopg.connect(database_url) as conn:
         conn.execute("UPDATE outbox.messages SET batch_id = NULL")
@@ -183,11 +183,11 @@ def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_at
 def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url: str) -> None:
     """After recovery reclaimed a never-sent batch, its old owner can neither send nor settle."""
     ids = _enqueue(database_url, 2)
-    old = PublisherStore(database_url, uuid.uuid4())
+    old = claiming_store(database_url)
     batch = old.claim(10, lease_seconds=30)
     assert batch is not None
     _expire(database_url, *ids)
-    recovery = PublisherStore(database_url, uuid.uuid4())
+    recovery = claiming_store(database_url)
     assert recovery.recover_expired_leases() == dict.fromkeys(ids, State.PENDING)
     before = _everything(database_url)
 
@@ -212,7 +212,7 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
 def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None:
     """renew=True extends live leases within half a lease of expiry; renew=False only heartbeats."""
     soon, later, expired = _enqueue(database_url, 3)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     store.register("test", os.getpid())
     assert store.claim(10, lease_seconds=30) is not None
     with psycopg.connect(database_url) as conn:
@@ -255,7 +255,7 @@ def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None
 
 def test_nothing_at_all_is_no_work_and_never_due(database_url: str) -> None:
     """An empty outbox has no work left and nothing that will become due."""
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     assert store.work_left() is False
     assert store.seconds_until_due() is None
     store.close()
@@ -264,7 +264,7 @@ def test_nothing_at_all_is_no_work_and_never_due(database_url: str) -> None:
 def test_pending_message_is_work_due_now(database_url: str) -> None:
     """A claimable pending message is work left and due now; a backed-off one is due later."""
     [message_id] = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     assert store.work_left() is True
     due = store.seconds_until_due()
     assert due is not None
@@ -283,7 +283,7 @@ def test_pending_message_is_work_due_now(database_url: str) -> None:
 def test_in_flight_message_is_work_due_when_its_lease_expires(database_url: str) -> None:
     """An in-flight message is work left, due when its lease expires."""
     _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     assert store.claim(10, lease_seconds=30) is not None
     assert store.work_left() is True
     due = store.seconds_until_due()
@@ -295,7 +295,7 @@ def test_in_flight_message_is_work_due_when_its_lease_expires(database_url: str)
 def test_uncertain_message_is_work_until_escalated(database_url: str) -> None:
     """An uncertain message is due at its write deadline, and no work once escalated."""
     [message_id] = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
     store.mark_sending(batch, {"t": 3}, longest_send_seconds=50)

@@ -13,8 +13,8 @@ import pytest
 
 import outbox
 from outbox.states import State
-from publisher.store import PublisherStore, Settlement
-from tests.support import create_topic, delete_topic, make_uncertain, send_record
+from publisher.store import Settlement
+from tests.support import claiming_store, create_topic, delete_topic, make_uncertain, send_record
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def _decisions(database_url: str) -> list[tuple[Any, ...]]:
 def _quarantined(database_url: str) -> uuid.UUID:
     """A message the broker refused for good, as a publisher settles it."""
     message_id = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
     [m] = batch.messages
@@ -79,7 +79,7 @@ def _quarantined(database_url: str) -> uuid.UUID:
 def _delivered(database_url: str) -> uuid.UUID:
     """A message the broker confirmed, as a publisher settles it."""
     message_id = _enqueue(database_url)
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
     [m] = batch.messages
@@ -154,7 +154,7 @@ def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
     assert decided_id == message_id
     assert decided_by.startswith("operator ")
     assert (was, now, reason, evidence) == (from_state, to_state, "checked by hand", {})
-    store = PublisherStore(database_url, uuid.uuid4())
+    store = claiming_store(database_url)
     claimed = store.claim(10, lease_seconds=30)
     store.close()
     assert (claimed is not None) == (to_state == "pending")
