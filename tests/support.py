@@ -313,8 +313,7 @@ class ClaimingStore(PublisherStore):
         """Give the lanes back, then close."""
         with psycopg.connect(self.conninfo) as conn:
             conn.execute(
-                "UPDATE outbox.lanes SET owner = NULL, lease_expires_at = NULL "
-                "WHERE owner = %s",
+                "UPDATE outbox.lanes SET owner = NULL, lease_expires_at = NULL WHERE owner = %s",
                 (self.publisher_id,),
             )
         super().close()

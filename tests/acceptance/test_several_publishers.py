@@ -1,0 +1,106 @@
+"""Several publishers share the work: no loss, no duplicate, each key in order.
+
+Three publishers deliver a stream of keyed messages while a writer keeps
+committing more; one publisher is killed with SIGKILL and another is started
+mid-run. Its lanes move to the survivors once their lease expires, and its
+in-flight batch is recovered and reconciled before later messages of the same
+keys go out.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import uuid
+from collections import defaultdict
+
+import psycopg
+import pytest
+
+import outbox
+from tests.support import (
+    assert_each_delivered_once,
+    count_by_state,
+    fast_publisher_flags,
+    read_topic,
+    start_publisher,
+    stop_process,
+    wait_until,
+)
+
+pytestmark = pytest.mark.acceptance
+
+KEYS = 40
+FIRST, MORE = 3_000, 3_000
+FAST = fast_publisher_flags(100)
+
+
+def _enqueue(database_url: str, topic: str, start: int, count: int, per_tx: int) -> list[uuid.UUID]:
+    """Messages ``start..start+count`` with value ``key:n``, n rising per key in commit order."""
+    ids: list[uuid.UUID] = []
+    with psycopg.connect(database_url) as conn:
+        for first in range(start, start + count, per_tx):
+            with conn.transaction():
+                ids += outbox.enqueue_many(
+                    conn,
+                    [
+                        outbox.Message(topic, f"k{i % KEYS}:{i}", key=f"k{i % KEYS}")
+                        for i in range(first, min(first + per_tx, start + count))
+                    ],
+                )
+    return ids
+
+
+def _delivered(database_url: str) -> int:
+    return count_by_state(database_url).get("delivered", 0)
+
+
+def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_order(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """SIGKILL one of three publishers and start a fourth mid-run: all delivered once, in order."""
+    ids = _enqueue(database_url, topic, 0, FIRST, per_tx=500)
+    publishers = [start_publisher(database_url, kafka_bootstrap, *FAST) for _ in range(3)]
+    more: list[uuid.UUID] = []
+    writer = threading.Thread(
+        target=lambda: more.extend(_enqueue(database_url, topic, FIRST, MORE, per_tx=20))
+    )
+    try:
+        writer.start()
+        wait_until(
+            lambda: _delivered(database_url) >= 1_000, timeout=60, what="the first deliveries"
+        )
+        victim = publishers.pop(1)
+        victim.kill()  # SIGKILL: no settle, no release; its leases must expire
+        victim.communicate(timeout=30)
+        publishers.append(start_publisher(database_url, kafka_bootstrap, *FAST))
+        writer.join(timeout=120)
+        assert not writer.is_alive()
+        wait_until(
+            lambda: count_by_state(database_url) == {"delivered": FIRST + MORE},
+            timeout=240,
+            interval=0.5,
+            what="every message to be delivered",
+        )
+    finally:
+        logs = [stop_process(p, signal.SIGTERM, timeout=60) for p in publishers]
+    assert all(p.returncode == 0 for p in publishers), logs
+
+    assert_each_delivered_once(database_url, kafka_bootstrap, topic, [*ids, *more])
+    # Each key's records are in the order they were committed.
+    per_key: dict[bytes | None, list[int]] = defaultdict(list)
+    for r in sorted(read_topic(kafka_bootstrap, topic), key=lambda r: (r.partition, r.offset)):
+        per_key[r.key].append(int(r.value.split(b":")[1]))
+    assert len(per_key) == KEYS
+    assert all(values == sorted(values) for values in per_key.values())
+
+    with psycopg.connect(database_url) as conn:
+        deliverers = conn.execute(
+            "SELECT count(DISTINCT publisher_id) FROM outbox.attempts WHERE outcome = 'delivered'"
+        ).fetchone()
+        owners = conn.execute(
+            "SELECT count(*) FROM outbox.lanes WHERE owner IS NOT NULL"
+        ).fetchone()
+    assert deliverers is not None
+    assert deliverers[0] >= 3  # the work was shared
+    assert owners == (0,)  # the survivors gave their lanes back when they stopped
