@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     _setting(p, "--delivery-timeout-ms", int, d.delivery_timeout_ms, "producer delivery timeout")
     _setting(p, "--request-timeout-ms", int, d.request_timeout_ms, "producer request timeout")
     _setting(p, "--linger-ms", int, d.linger_ms, "producer linger")
+    _setting(p, "--max-block-ms", int, d.max_block_ms, "longest a send or a topic lookup may block")
     _setting(
         p,
         "--retry-base-seconds",
@@ -101,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         int,
         d.max_attempts,
         "attempts after which a message Kafka keeps refusing is quarantined",
+    )
+    p.add_argument(
+        "--no-auto-create-topics",
+        dest="auto_create_topics",
+        action="store_false",
+        default=os.environ.get("OUTBOX_AUTO_CREATE_TOPICS", "true").lower() not in {"0", "false"},
+        help="never create a missing topic: its messages are quarantined "
+        "[OUTBOX_AUTO_CREATE_TOPICS=false]",
     )
     p.add_argument(
         "--exit-when-idle",
@@ -136,6 +145,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[PublisherConfig
         retry_base_seconds=args.retry_base_seconds,
         retry_cap_seconds=args.retry_cap_seconds,
         max_attempts=args.max_attempts,
+        max_block_ms=args.max_block_ms,
+        auto_create_topics=args.auto_create_topics,
     )
     config.validate()
     return config, args.log_level
@@ -162,6 +173,8 @@ def build_publisher(
             linger_ms=config.linger_ms,
             delivery_timeout_ms=config.delivery_timeout_ms,
             request_timeout_ms=config.request_timeout_ms,
+            max_block_ms=config.max_block_ms,
+            allow_auto_create_topics=config.auto_create_topics,
         )
     )
     return Publisher(

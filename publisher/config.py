@@ -40,6 +40,10 @@ class PublisherConfig:
     #: of an hour, enough to ride out a broker restart).
     max_attempts: int = 50
     linger_ms: int = 5
+    #: How long a send or a topic lookup may block (kafka-python's max_block_ms).
+    max_block_ms: int = 10_000
+    #: Whether the publisher may create a missing topic (if the broker allows it).
+    auto_create_topics: bool = True
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
 

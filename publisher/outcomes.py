@@ -45,9 +45,17 @@ ATTEMPT_OUTCOME: dict[SendOutcome, str] = {
     SendOutcome.NON_RETRIABLE: "failed",
 }
 
-# Errors that say the content itself is unacceptable. Returned for a record
+
+class TopicMissing(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-python is untyped
+    """The topic does not exist and the publisher may not (or the broker will not) create it."""
+
+
+# Errors that say the record cannot be applied as it is. Returned for a record
 # that the broker rejected as a whole, they also prove it was not appended.
+# (kafka-python splits a batch the broker finds too large and retries, so a
+# size error ends up reported for the one record that is too large.)
 _CONTENT_ERRORS: tuple[type[BaseException], ...] = (
+    TopicMissing,
     kafka_errors.MessageSizeTooLargeError,
     kafka_errors.RecordListTooLargeError,
     kafka_errors.InvalidTopicError,

@@ -6,14 +6,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kafka import KafkaProducer
+from kafka import KafkaAdminClient, KafkaProducer
 from kafka import errors as kafka_errors
+
+from publisher.outcomes import TopicMissing
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,9 @@ class KafkaSinkConfig:
     request_timeout_ms: int = 10_000
     #: How long ``send()`` and metadata lookups may block.
     max_block_ms: int = 10_000
+    #: Whether the publisher's metadata requests may create a missing topic
+    #: (where the broker allows it at all).
+    allow_auto_create_topics: bool = True
     max_request_size: int = 1_048_576
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -126,16 +133,44 @@ class KafkaSink:
                 request_timeout_ms=c.request_timeout_ms,
                 max_block_ms=c.max_block_ms,
                 max_request_size=c.max_request_size,
+                allow_auto_create_topics=c.allow_auto_create_topics,
                 **c.extra,
             )
+            # kafka-python 3.0 does not pass allow_auto_create_topics on to the
+            # metadata its producer requests, so a missing topic would be
+            # created all the same; set it where the request is built.
+            self._producer._metadata.config["allow_auto_create_topics"] = c.allow_auto_create_topics
         return self._producer
 
     def partition_count(self, topic: str) -> int:
-        """Look the topic up (creating it where the broker auto-creates topics)."""
-        partitions = self._get_producer().partitions_for(topic)
+        """Look the topic up (creating it where allowed); ``TopicMissing`` if it does not exist.
+
+        A topic that cannot be created makes kafka-python wait ``max_block_ms``
+        and time out, which on its own would look like an unreachable broker;
+        the cluster's topic list tells the two apart.
+        """
+        try:
+            partitions = self._get_producer().partitions_for(topic)
+        except kafka_errors.KafkaTimeoutError:
+            if topic not in self._list_topics():
+                raise TopicMissing(
+                    f"topic {topic!r} does not exist and is not created automatically"
+                ) from None
+            raise
         if not partitions:
-            raise kafka_errors.UnknownTopicOrPartitionError(f"topic {topic!r} has no partitions")
+            raise TopicMissing(f"topic {topic!r} has no partitions")
         return len(partitions)
+
+    def _list_topics(self) -> set[str]:
+        admin = KafkaAdminClient(
+            bootstrap_servers=self._config.bootstrap_servers,
+            client_id=f"{self._config.client_id}-admin",
+            request_timeout_ms=self._config.request_timeout_ms,
+        )
+        try:
+            return set(admin.list_topics())
+        finally:
+            admin.close()
 
     def send(self, records: Sequence[OutgoingRecord]) -> _KafkaInFlight:
         """Hand every record to the producer; a refusal is kept as its report."""
@@ -161,8 +196,19 @@ class KafkaSink:
             ) / 1000
             try:
                 self._producer.flush(timeout=flush_timeout)
-            except kafka_errors.KafkaTimeoutError:
-                log.warning("producer flush did not finish within %.1fs", flush_timeout)
+            except kafka_errors.KafkaError as exc:
+                # A timeout, or a fatal error after which kafka-python aborts
+                # its batches: either way each future below says what it knows,
+                # and one still unanswered is uncertain.
+                log.warning("producer flush ended early: %s", exc)
+                # After a fatal error the sender fails the remaining batches
+                # from its own thread; give their futures a moment to say so.
+                deadline = time.monotonic() + self._config.request_timeout_ms / 1000
+                for entry in in_flight.entries:
+                    if isinstance(entry, SendReport) or entry.is_done:
+                        continue
+                    with contextlib.suppress(Exception):
+                        entry.get(timeout=max(deadline - time.monotonic(), 0.001))
         reports: list[SendReport] = []
         for entry in in_flight.entries:
             if isinstance(entry, SendReport):
