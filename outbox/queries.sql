@@ -78,10 +78,10 @@ WITH mine AS (
     FROM next
     WHERE m.id = next.id
     RETURNING m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values,
-              m.fence, m.attempts, m.failures
+              m.fence, m.attempts, m.failures, m.send_alone
 )
 SELECT c.id, c.topic, c.key, c.value, c.header_names, c.header_values, c.fence, c.attempts,
-       c.failures, b.id, b.claimed_at
+       c.failures, c.send_alone, b.id, b.claimed_at
 FROM claimed AS c CROSS JOIN batch AS b
 ORDER BY c.seq
 
@@ -126,9 +126,10 @@ WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[], %(states)s::text[],
                 %(outcomes)s::text[], %(partitions)s::integer[], %(offsets)s::bigint[],
-                %(retry_after)s::float8[], %(errors)s::text[], %(send_began)s::boolean[])
+                %(retry_after)s::float8[], %(errors)s::text[], %(send_began)s::boolean[],
+                %(failures)s::boolean[], %(send_alone)s::boolean[])
          AS o(id, fence, state, outcome, kafka_partition, kafka_offset,
-              retry_after, error, send_began)
+              retry_after, error, send_began, counts_as_failure, send_alone)
 ), batch AS (
     SELECT claimed_at, write_deadline FROM outbox.batches WHERE id = %(batch_id)s
 ), settled AS (
@@ -142,7 +143,8 @@ WITH outcome AS (
                            WHEN 'uncertain' THEN greatest(now(), (SELECT write_deadline FROM batch))
                            ELSE m.available_at END,
         last_error = o.error,
-        failures = CASE WHEN o.outcome = 'failed' THEN m.failures + 1 ELSE m.failures END,
+        failures = CASE WHEN o.counts_as_failure THEN m.failures + 1 ELSE m.failures END,
+        send_alone = o.send_alone,
         lease_owner = NULL,
         lease_expires_at = NULL,
         updated_at = now()

@@ -238,27 +238,75 @@ class Publisher:
             )
             for m in sendable
         ]
-        reports: list[SendReport] = []
-        if records:
-            in_flight = self.sink.send(records)
-            self.faults.reached("after_send")
-            reports = self.sink.complete(in_flight)
-            self._progress()
-        sent = {r.message_id: (r, report) for r, report in zip(records, reports, strict=True)}
+        alone = {m.id for m in sendable if m.send_alone}
+        keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
+        sent = self._send_in_order(records, alone, keys)
+        suspects = _shared_refusals(sent)
         settlements = []
+        to_send = {r.message_id for r in records}
         for m in batch.messages:
             if m.id in refused and m.id in held:
                 settlements.append(refused[m.id])
+            elif m.id in to_send and m.id not in sent:
+                settlements.append(self._held_back(m))
             elif m.id in sent:
                 record, report = sent[m.id]
-                settlements.append(self._settlement(m, report, record.partition))
+                settlements.append(
+                    self._settlement(m, report, record.partition, shared=m.id in suspects)
+                )
         return settlements
 
+    def _send_in_order(
+        self,
+        records: list[OutgoingRecord],
+        alone: set[uuid.UUID],
+        keys: dict[uuid.UUID, tuple[str, bytes]],
+    ) -> dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]:
+        """Send the records in order, those in ``alone`` one by one; report on those sent."""
+        sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]] = {}
+        stopped_keys: set[tuple[str, bytes]] = set()
+        for candidates in _groups(records, alone):
+            # After a record of a key was not delivered, later records of that
+            # key in this batch are not sent: they wait for the next claim,
+            # behind it (settled pending below).
+            group = [r for r in candidates if keys.get(r.message_id) not in stopped_keys]
+            if not group:
+                continue
+            in_flight = self.sink.send(group)
+            self.faults.reached("after_send")
+            reports = self.sink.complete(in_flight)
+            self._progress()
+            for r, report in zip(group, reports, strict=True):
+                sent[r.message_id] = (r, report)
+                if report.error is not None and r.message_id in keys:
+                    stopped_keys.add(keys[r.message_id])
+            if any(
+                r.error is not None
+                and r.handed_to_producer
+                and classify(r.error, handed_to_producer=True) is SendOutcome.NON_RETRIABLE
+                for r in reports
+            ):
+                # kafka-python's idempotent producer turns a refused record
+                # into a fatal error for every later send; start a fresh one.
+                self.sink.discard_producer()
+        return sent
+
     def _settlement(
-        self, m: ClaimedMessage, report: SendReport, partition: int | None
+        self,
+        m: ClaimedMessage,
+        report: SendReport,
+        partition: int | None,
+        *,
+        shared: bool = False,
     ) -> Settlement:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
         error = None if report.error is None else f"{type(report.error).__name__}: {report.error}"
+        if shared:
+            # Refused together with other records of its partition: the
+            # refusal cannot be pinned on it, and records already on the wire
+            # may have been written. Uncertain; its next attempt goes alone.
+            outcome = SendOutcome.UNCERTAIN
+            error = f"refused together with other records, not attributable: {error}"
         retry_after = 0.0
         if outcome is SendOutcome.NOT_WRITTEN and m.failures + 1 >= self.config.max_attempts:
             outcome = SendOutcome.NON_RETRIABLE
@@ -279,6 +327,20 @@ class Publisher:
             retry_after=retry_after,
             error=error,
             send_began=report.handed_to_producer,
+            counts_as_failure=shared or outcome is SendOutcome.NOT_WRITTEN,
+            send_alone=shared,
+        )
+
+    @staticmethod
+    def _held_back(m: ClaimedMessage) -> Settlement:
+        return Settlement(
+            message_id=m.id,
+            fence=m.fence,
+            state=State.PENDING,
+            attempt_outcome="abandoned",
+            error="not sent: an earlier message of its key in the batch was not delivered",
+            send_began=False,
+            send_alone=m.send_alone,
         )
 
     @staticmethod
@@ -387,3 +449,38 @@ class Publisher:
     def _progressing(self) -> bool:
         """Whether the loop moved recently enough for its leases to be renewed."""
         return self._clock() - self._progress_at < self.config.longest_send_seconds + 10
+
+
+def _shared_refusals(sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]) -> set[uuid.UUID]:
+    """Messages refused with a content error shared by several records of one partition.
+
+    When the broker refuses one record (too large, say), kafka-python's
+    idempotent producer fails every record it still has in flight for that
+    partition with the same error, so the error names no one record.
+    """
+    refused: dict[tuple[str, int], list[uuid.UUID]] = {}
+    for message_id, (record, report) in sent.items():
+        if (
+            report.error is not None
+            and report.handed_to_producer
+            and classify(report.error, handed_to_producer=True) is SendOutcome.NON_RETRIABLE
+        ):
+            refused.setdefault((record.topic, record.partition), []).append(message_id)
+    return {i for ids in refused.values() if len(ids) > 1 for i in ids}
+
+
+def _groups(records: list[OutgoingRecord], alone: set[uuid.UUID]) -> list[list[OutgoingRecord]]:
+    """Split records, in order, into sends: each record in ``alone`` on its own."""
+    groups: list[list[OutgoingRecord]] = []
+    current: list[OutgoingRecord] = []
+    for r in records:
+        if r.message_id in alone:
+            if current:
+                groups.append(current)
+                current = []
+            groups.append([r])
+        else:
+            current.append(r)
+    if current:
+        groups.append(current)
+    return groups

@@ -37,6 +37,8 @@ class ClaimedMessage:
     attempt: int
     #: Attempts that ended "not written" since the last operator decision.
     failures: int = 0
+    #: Send it on its own: its last refusal was shared with other records.
+    send_alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,10 @@ class Settlement:
     retry_after: float = 0.0
     error: str | None = None
     send_began: bool = True
+    #: Adds one to the message's failures (its retry budget).
+    counts_as_failure: bool = False
+    #: Its next attempt goes alone (see ``ClaimedMessage.send_alone``).
+    send_alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +200,11 @@ class PublisherStore:
                 fence=row[6],
                 attempt=row[7],
                 failures=row[8],
+                send_alone=row[9],
             )
             for row in rows
         ]
-        return Batch(id=rows[0][9], messages=messages, claimed_at=rows[0][10])
+        return Batch(id=rows[0][10], messages=messages, claimed_at=rows[0][11])
 
     def mark_sending(
         self, batch: Batch, partition_counts: Mapping[str, int], longest_send_seconds: float
@@ -242,6 +249,8 @@ class PublisherStore:
                 "retry_after": [float(s.retry_after) for s in settlements],
                 "errors": [s.error for s in settlements],
                 "send_began": [s.send_began for s in settlements],
+                "failures": [s.counts_as_failure for s in settlements],
+                "send_alone": [s.send_alone for s in settlements],
                 "publisher": self.publisher_id,
                 "batch_id": batch.id,
             },

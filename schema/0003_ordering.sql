@@ -18,6 +18,9 @@ ALTER TABLE outbox.messages
 -- the publisher's maximum the message is quarantined. (attempts keeps
 -- counting every attempt ever made and numbers the attempt records.)
 ALTER TABLE outbox.messages ADD COLUMN failures integer NOT NULL DEFAULT 0;
+-- Set when the last attempt was refused together with other records of its
+-- partition: the next attempt sends it alone, so a refusal is its own.
+ALTER TABLE outbox.messages ADD COLUMN send_alone boolean NOT NULL DEFAULT false;
 
 -- Open messages of a key, for the held_keys view and work_left; delivered and
 -- discarded rows are not in it.

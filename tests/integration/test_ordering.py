@@ -204,6 +204,7 @@ def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None
                 retry_after=60,
                 error="KafkaTimeoutError",
                 send_began=False,
+                counts_as_failure=True,  # as the publisher records a send that failed
             )
         ],
     )

@@ -255,7 +255,9 @@ def test_run_once_settles_every_outcome_in_batch_order() -> None:
         (SendReport(None, None, kafka_errors.RequestTimedOutError(), True), True),
         (SendReport(None, None, kafka_errors.NotEnoughReplicasAfterAppendError(), True), True),
         (SendReport(None, None, kafka_errors.KafkaTimeoutError("metadata"), False), False),
-        (SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True), False),
+        # A record the broker refused leaves kafka-python's idempotent producer
+        # in a fatal state, so that producer is dropped too.
+        (SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True), True),
         (None, False),
     ],
     ids=["expired", "request-timeout", "not-enough-replicas", "refused", "too-large", "all-ok"],
@@ -263,7 +265,7 @@ def test_run_once_settles_every_outcome_in_batch_order() -> None:
 def test_producer_is_discarded_before_settling_only_after_an_uncertain_outcome(
     report: SendReport | None, discarded: bool
 ) -> None:
-    """discard_producer runs before settle when an outcome is uncertain, and never otherwise."""
+    """discard_producer runs before settle after an uncertain outcome or a broker refusal only."""
     first, second = _message(), _message()
     events, _, sink, publisher = _setup(first, second)
     if report is not None:
