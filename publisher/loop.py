@@ -333,26 +333,11 @@ class Publisher:
 
     @staticmethod
     def _held_back(m: ClaimedMessage) -> Settlement:
-        return Settlement(
-            message_id=m.id,
-            fence=m.fence,
-            state=State.PENDING,
-            attempt_outcome="abandoned",
-            error="not sent: an earlier message of its key in the batch was not delivered",
-            send_began=False,
-            send_alone=m.send_alone,
-        )
+        return _unsent(m, "not sent: an earlier message of its key in the batch was not delivered")
 
     @staticmethod
     def _release(m: ClaimedMessage) -> Settlement:
-        return Settlement(
-            message_id=m.id,
-            fence=m.fence,
-            state=State.PENDING,
-            attempt_outcome="abandoned",
-            error="released unsent: publisher stopping",
-            send_began=False,
-        )
+        return _unsent(m, "released unsent: publisher stopping")
 
     def _settle(self, batch: Batch, settlements: list[Settlement]) -> None:
         """Record the outcomes, retrying through database outages while the lease lasts."""
@@ -484,3 +469,16 @@ def _groups(records: list[OutgoingRecord], alone: set[uuid.UUID]) -> list[list[O
     if current:
         groups.append(current)
     return groups
+
+
+def _unsent(m: ClaimedMessage, reason: str) -> Settlement:
+    """Back to pending without having been sent: an abandoned attempt, no failure counted."""
+    return Settlement(
+        message_id=m.id,
+        fence=m.fence,
+        state=State.PENDING,
+        attempt_outcome="abandoned",
+        error=reason,
+        send_began=False,
+        send_alone=m.send_alone,
+    )

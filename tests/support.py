@@ -324,3 +324,14 @@ def claiming_store(database_url: str) -> ClaimingStore:
     store = ClaimingStore(database_url, uuid.uuid4())
     store.take_all_lanes()
     return store
+
+
+def run_outbox_cli(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``outbox --database-url URL ARGS...`` as a separate process."""
+    return subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "--database-url", database_url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
 
 import psycopg
 import pytest
 
 import outbox
+from tests.support import run_outbox_cli
 
 pytestmark = pytest.mark.integration
 
 
 def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_outbox_cli(url, *args)
 
 
 def test_migrate_then_status_json_counts_every_state(empty_database_url: str) -> None:

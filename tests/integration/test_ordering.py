@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +13,14 @@ import pytest
 import outbox
 from outbox.states import State
 from publisher.store import Settlement
-from tests.support import claiming_store, count_by_state, publish_until_idle, read_topic, wait_until
+from tests.support import (
+    claiming_store,
+    count_by_state,
+    publish_until_idle,
+    read_topic,
+    run_outbox_cli,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +43,7 @@ def _waiting_on_lock(database_url: str, application_name: str) -> bool:
 
 
 def _outbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    return run_outbox_cli(url, *args)
 
 
 def test_same_key_reaches_kafka_in_commit_order_not_allocation_order(

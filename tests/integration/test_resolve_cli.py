@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -14,19 +13,20 @@ import pytest
 import outbox
 from outbox.states import State
 from publisher.store import Settlement
-from tests.support import claiming_store, create_topic, delete_topic, make_uncertain, send_record
+from tests.support import (
+    claiming_store,
+    create_topic,
+    delete_topic,
+    make_uncertain,
+    run_outbox_cli,
+    send_record,
+)
 
 pytestmark = pytest.mark.integration
 
 
 def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "outbox.cli", "--database-url", url, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_outbox_cli(url, *args)
 
 
 def _enqueue(database_url: str, topic: str = "t") -> uuid.UUID:
