@@ -75,8 +75,9 @@ WITH mine AS (
         attempts = m.attempts + 1,
         batch_id = (SELECT id FROM batch),
         updated_at = now()
-    FROM next
-    WHERE m.id = next.id
+    -- An id list, not a join: the planner then looks each row up by its key
+    -- instead of hashing the whole table.
+    WHERE m.id = ANY (ARRAY(SELECT id FROM next))
     RETURNING m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values,
               m.fence, m.attempts, m.failures, m.send_alone
 )
