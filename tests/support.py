@@ -335,3 +335,9 @@ def run_outbox_cli(database_url: str, *args: str) -> subprocess.CompletedProcess
         timeout=120,
         check=False,
     )
+
+
+def fetch_rows(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    """Run one query on its own connection and return every row."""
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(sql, params).fetchall()

@@ -17,6 +17,7 @@ from publisher.scanner import KafkaLogScanner
 from tests.support import (
     claiming_store,
     delete_topic,
+    fetch_rows,
     make_uncertain,
     publish_until_idle,
     read_topic,
@@ -41,13 +42,8 @@ def _enqueue(database_url: str, topic: str) -> uuid.UUID:
         return outbox.enqueue(conn, topic, b"payload")
 
 
-def _fetch(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    with psycopg.connect(database_url) as conn:
-        return conn.execute(sql, params).fetchall()
-
-
 def _message(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
-    [row] = _fetch(
+    [row] = fetch_rows(
         database_url,
         "SELECT state, kafka_partition, kafka_offset, escalated_at IS NOT NULL, last_error "
         "FROM outbox.messages WHERE id = %s",
@@ -57,7 +53,7 @@ def _message(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
 
 
 def _decisions(database_url: str) -> list[tuple[Any, ...]]:
-    return _fetch(
+    return fetch_rows(
         database_url,
         "SELECT message_id, decided_by, from_state, to_state, reason, evidence "
         "FROM outbox.decisions ORDER BY id",
@@ -93,7 +89,7 @@ def test_record_found_in_kafka_makes_the_message_delivered_at_its_offset(
     assert evidence["scan_from"] == 0
     assert evidence["scan_to"] == offset + 1
     assert evidence["found_offsets"] == [offset]
-    assert _fetch(
+    assert fetch_rows(
         database_url,
         "SELECT confirmed_offset FROM outbox.partition_offsets "
         "WHERE topic = %s AND kafka_partition = %s",
@@ -160,7 +156,7 @@ def test_scan_starts_above_the_offset_confirmed_before_the_attempt(
             (topic, partition, old),
         )
     assert make_uncertain(database_url) == {message_id: partition}
-    [(snapshot,)] = _fetch(database_url, "SELECT confirmed_offsets FROM outbox.batches")
+    [(snapshot,)] = fetch_rows(database_url, "SELECT confirmed_offsets FROM outbox.batches")
     assert snapshot == {topic: {str(partition): old}}
 
     report = reconciler.run_once()
@@ -222,7 +218,7 @@ def test_deleted_records_where_the_message_could_be_escalate_instead_of_pending(
     """With no confirmed offset, records deleted below the log start escalate the message."""
     message_id = _enqueue(database_url, topic)
     partition = make_uncertain(database_url)[message_id]
-    [(snapshot,)] = _fetch(database_url, "SELECT confirmed_offsets FROM outbox.batches")
+    [(snapshot,)] = fetch_rows(database_url, "SELECT confirmed_offsets FROM outbox.batches")
     assert snapshot == {}
     # The message's record may have been among these; they are deleted.
     send_record(kafka_bootstrap, topic, partition, message_id)

@@ -12,7 +12,7 @@ import pytest
 import outbox
 from outbox.states import State
 from publisher.store import Settlement
-from tests.support import claiming_store, wait_until
+from tests.support import claiming_store, fetch_rows, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.integration
 def _enqueue(database_url: str, count: int = 1) -> list[uuid.UUID]:
     with psycopg.connect(database_url) as conn:
         return outbox.enqueue_many(conn, [outbox.Message("t", f"{i}") for i in range(count)])
-
-
-def _fetch(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    with psycopg.connect(database_url) as conn:
-        return conn.execute(sql, params).fetchall()
 
 
 def _expire(database_url: str, *message_ids: uuid.UUID) -> None:
@@ -39,9 +34,9 @@ def _expire(database_url: str, *message_ids: uuid.UUID) -> None:
 def _everything(database_url: str) -> list[list[tuple[Any, ...]]]:
     """Every row of the tables recovery writes, in a stable order."""
     return [
-        _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq"),
-        _fetch(database_url, "SELECT * FROM outbox.attempts ORDER BY message_id, attempt"),
-        _fetch(database_url, "SELECT * FROM outbox.batches ORDER BY id"),
+        fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq"),
+        fetch_rows(database_url, "SELECT * FROM outbox.attempts ORDER BY message_id, attempt"),
+        fetch_rows(database_url, "SELECT * FROM outbox.batches ORDER BY id"),
     ]
 
 
@@ -54,7 +49,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
     batch = store.claim(10, lease_seconds=0.3)
     assert batch is not None
     wait_until(
-        lambda: _fetch(
+        lambda: fetch_rows(
             database_url,
             "SELECT bool_and(lease_expires_at < now()) FROM outbox.messages",
         )[0][0],
@@ -63,7 +58,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
     )
 
     assert store.recover_expired_leases() == dict.fromkeys(ids, State.PENDING)
-    rows = _fetch(
+    rows = fetch_rows(
         database_url,
         "SELECT state, lease_owner, lease_expires_at, available_at <= now(), last_error "
         "FROM outbox.messages ORDER BY seq",
@@ -73,7 +68,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
         assert (state, lease_owner, lease_expires_at, available) == ("pending", None, None, True)
         assert owner in last_error
         assert "sending had not begun" in last_error
-    attempts = _fetch(
+    attempts = fetch_rows(
         database_url,
         "SELECT a.message_id, a.attempt, a.publisher_id, a.fence, a.outcome, a.send_began, "
         "a.batch_id, a.finished_at IS NOT NULL, a.error FROM outbox.attempts AS a "
@@ -101,14 +96,14 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
     assert batch is not None
     assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=60) == {message_id}
     _expire(database_url, message_id)
-    [(lease_expiry, heartbeat)] = _fetch(
+    [(lease_expiry, heartbeat)] = fetch_rows(
         database_url,
         "SELECT m.lease_expires_at::text, p.heartbeat_at::text "
         "FROM outbox.messages AS m JOIN outbox.publishers AS p ON p.id = m.lease_owner",
     )
 
     assert store.recover_expired_leases() == {message_id: State.UNCERTAIN}
-    [row] = _fetch(
+    [row] = fetch_rows(
         database_url,
         "SELECT m.state, m.lease_owner, m.available_at >= b.write_deadline, "
         "b.write_deadline > now(), m.last_error "
@@ -120,7 +115,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
     assert f"expired at {lease_expiry}" in last_error
     assert f"last heartbeat {heartbeat}" in last_error
     assert "may be in Kafka" in last_error
-    attempts = _fetch(
+    attempts = fetch_rows(
         database_url,
         "SELECT publisher_id, fence, outcome, send_began, error FROM outbox.attempts",
     )
@@ -145,7 +140,7 @@ def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None
     other = claiming_store(database_url)
     assert other.recover_expired_leases() == {}
     assert _everything(database_url) == before
-    assert _fetch(database_url, "SELECT state, lease_owner FROM outbox.messages") == [
+    assert fetch_rows(database_url, "SELECT state, lease_owner FROM outbox.messages") == [
         ("in_flight", store.publisher_id)
     ]
     other.close()
@@ -164,13 +159,13 @@ def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_at
     _expire(database_url, message_id)
 
     assert store.recover_expired_leases() == {message_id: State.UNCERTAIN}
-    [(state, lease_owner, last_error)] = _fetch(
+    [(state, lease_owner, last_error)] = fetch_rows(
         database_url, "SELECT state, lease_owner, last_error FROM outbox.messages"
     )
     assert (state, lease_owner) == ("uncertain", None)
     assert last_error.startswith("legacy: ")
     assert str(store.publisher_id) in last_error
-    attempts = _fetch(
+    attempts = fetch_rows(
         database_url,
         "SELECT attempt, publisher_id, fence, outcome, send_began, error, batch_id "
         "FROM outbox.attempts",
@@ -192,7 +187,7 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
     before = _everything(database_url)
 
     assert old.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == set()
-    assert _fetch(
+    assert fetch_rows(
         database_url,
         "SELECT send_began_at, write_deadline FROM outbox.batches WHERE id = %s",
         batch.id,
@@ -204,7 +199,7 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
     assert old.settle(batch, settlements) == set()
     after = _everything(database_url)
     assert after[:2] == before[:2]  # messages and attempts: untouched
-    assert _fetch(database_url, "SELECT count(*) FROM outbox.partition_offsets") == [(0,)]
+    assert fetch_rows(database_url, "SELECT count(*) FROM outbox.partition_offsets") == [(0,)]
     old.close()
     recovery.close()
 
@@ -225,11 +220,11 @@ def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None
         conn.execute("UPDATE outbox.publishers SET heartbeat_at = now() - interval '1 hour'")
 
     def leases() -> dict[uuid.UUID, object]:
-        return dict(_fetch(database_url, "SELECT id, lease_expires_at FROM outbox.messages"))
+        return dict(fetch_rows(database_url, "SELECT id, lease_expires_at FROM outbox.messages"))
 
     def heartbeat_age() -> float:
         return float(
-            _fetch(
+            fetch_rows(
                 database_url,
                 "SELECT extract(epoch FROM now() - heartbeat_at) FROM outbox.publishers",
             )[0][0]
@@ -244,7 +239,7 @@ def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None
     after = leases()
     assert after[later] == before[later]
     assert after[expired] == before[expired]
-    [(renewed_ahead,)] = _fetch(
+    [(renewed_ahead,)] = fetch_rows(
         database_url,
         "SELECT extract(epoch FROM lease_expires_at - now()) FROM outbox.messages WHERE id = %s",
         soon,

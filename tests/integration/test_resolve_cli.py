@@ -17,6 +17,7 @@ from tests.support import (
     claiming_store,
     create_topic,
     delete_topic,
+    fetch_rows,
     make_uncertain,
     run_outbox_cli,
     send_record,
@@ -34,13 +35,8 @@ def _enqueue(database_url: str, topic: str = "t") -> uuid.UUID:
         return outbox.enqueue(conn, topic, b"payload")
 
 
-def _fetch(database_url: str, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    with psycopg.connect(database_url) as conn:
-        return conn.execute(sql, params).fetchall()
-
-
 def _state(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
-    [row] = _fetch(
+    [row] = fetch_rows(
         database_url,
         "SELECT state, kafka_partition, kafka_offset FROM outbox.messages WHERE id = %s",
         message_id,
@@ -49,7 +45,7 @@ def _state(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
 
 
 def _decisions(database_url: str) -> list[tuple[Any, ...]]:
-    return _fetch(
+    return fetch_rows(
         database_url,
         "SELECT message_id, decided_by, from_state, to_state, reason, evidence "
         "FROM outbox.decisions ORDER BY id",
@@ -113,7 +109,7 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
     )
     assert result.returncode == 0, result.stderr
     assert "uncertain -> delivered" in result.stdout
-    [(state, partition, offset, delivered, last_error)] = _fetch(
+    [(state, partition, offset, delivered, last_error)] = fetch_rows(
         database_url,
         "SELECT state, kafka_partition, kafka_offset, delivered_at IS NOT NULL, last_error "
         "FROM outbox.messages",
@@ -136,14 +132,14 @@ def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
 ) -> None:
     """resolve --pending / --discard moves an uncertain or quarantined message, with a decision."""
     message_id = make(database_url)
-    [(from_state,)] = _fetch(database_url, "SELECT state FROM outbox.messages")
+    [(from_state,)] = fetch_rows(database_url, "SELECT state FROM outbox.messages")
 
     result = _outbox(
         "resolve", str(message_id), flag, "--reason", "checked by hand", url=database_url
     )
     assert result.returncode == 0, result.stderr
     assert f"{from_state} -> {to_state}" in result.stdout
-    [(state, available, escalated, last_error)] = _fetch(
+    [(state, available, escalated, last_error)] = fetch_rows(
         database_url,
         "SELECT state, available_at <= now(), escalated_at IS NULL, last_error "
         "FROM outbox.messages",
@@ -168,14 +164,14 @@ def _assert_refused(
     assert result.stderr.startswith("outbox: ")
     assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
-    assert _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq") == before
+    assert fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq") == before
     assert _decisions(database_url) == []
 
 
 def test_resolve_refuses_a_pending_message_naming_its_state(database_url: str) -> None:
     """Resolving a pending message exits 2 and says it is pending."""
     message_id = _enqueue(database_url)
-    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
     result = _outbox("resolve", str(message_id), "--discard", "--reason", "x", url=database_url)
     _assert_refused(result, database_url, before)
     assert f"message {message_id} is pending" in result.stderr
@@ -184,7 +180,7 @@ def test_resolve_refuses_a_pending_message_naming_its_state(database_url: str) -
 def test_resolve_refuses_a_delivered_message_naming_its_state(database_url: str) -> None:
     """Resolving a delivered message exits 2 and says it is delivered."""
     message_id = _delivered(database_url)
-    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
     result = _outbox("resolve", str(message_id), "--pending", "--reason", "x", url=database_url)
     _assert_refused(result, database_url, before)
     assert f"message {message_id} is delivered" in result.stderr
@@ -193,7 +189,7 @@ def test_resolve_refuses_a_delivered_message_naming_its_state(database_url: str)
 def test_resolve_refuses_an_unknown_id(database_url: str) -> None:
     """Resolving an id that is not in the outbox exits 2 and says there is no such message."""
     _uncertain(database_url)
-    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
     unknown = uuid.uuid4()
     result = _outbox("resolve", str(unknown), "--discard", "--reason", "x", url=database_url)
     _assert_refused(result, database_url, before)
@@ -214,7 +210,7 @@ def test_resolve_without_a_reason_is_a_usage_error(database_url: str) -> None:
 def test_resolve_refuses_an_offset_with_pending(database_url: str) -> None:
     """--offset with --pending exits 2 and says the location only goes with --delivered."""
     message_id = _uncertain(database_url)
-    before = _fetch(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
     result = _outbox(
         "resolve", str(message_id), "--pending", "--offset", "3", "--reason", "x", url=database_url
     )
@@ -236,7 +232,7 @@ def test_reconcile_command_decides_found_and_absent_messages(
     assert "reconciled: 1 delivered, 1 pending (proven absent), 0 escalated" in result.stdout
     assert _state(database_url, found) == ("delivered", partitions[found], offset)
     assert _state(database_url, absent)[0] == "pending"
-    assert _fetch(
+    assert fetch_rows(
         database_url, "SELECT count(*) FROM outbox.messages WHERE state = 'uncertain'"
     ) == [(0,)]
     decisions = _decisions(database_url)
@@ -258,7 +254,7 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     assert result.returncode == 1, result.stderr
     assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
     assert "1 message(s) still uncertain" in result.stdout
-    [(state, escalated)] = _fetch(
+    [(state, escalated)] = fetch_rows(
         database_url, "SELECT state, escalated_at IS NOT NULL FROM outbox.messages"
     )
     assert (state, escalated) == ("uncertain", True)
