@@ -192,10 +192,6 @@ class Publisher:
             self._settle(batch, [self._release(m) for m in batch.messages])
             return len(batch.messages)
         settlements = self._send(batch)
-        if any(s.state is State.UNCERTAIN for s in settlements):
-            # The producer session that produced an unknown outcome must not
-            # send anything more: abandon its producer id before going on.
-            self.sink.discard_producer()
         self.faults.reached("after_ack")
         self._settle(batch, settlements)
         self.faults.reached("after_confirm")
@@ -280,14 +276,11 @@ class Publisher:
                 sent[r.message_id] = (r, report)
                 if report.error is not None and r.message_id in keys:
                     stopped_keys.add(keys[r.message_id])
-            if any(
-                r.error is not None
-                and r.handed_to_producer
-                and classify(r.error, handed_to_producer=True) is SendOutcome.NON_RETRIABLE
-                for r in reports
-            ):
-                # kafka-python's idempotent producer turns a refused record
-                # into a fatal error for every later send; start a fresh one.
+            if any(_spoils_producer(r) for r in reports):
+                # The producer session that produced an unknown outcome must
+                # not send anything more (abandon its producer id), and after a
+                # refused record kafka-python's idempotent producer fails every
+                # later send: either way the next send starts a fresh one.
                 self.sink.discard_producer()
         return sent
 
@@ -445,13 +438,24 @@ def _shared_refusals(sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]) -
     """
     refused: dict[tuple[str, int], list[uuid.UUID]] = {}
     for message_id, (record, report) in sent.items():
-        if (
-            report.error is not None
-            and report.handed_to_producer
-            and classify(report.error, handed_to_producer=True) is SendOutcome.NON_RETRIABLE
-        ):
+        if _refused_by_broker(report):
             refused.setdefault((record.topic, record.partition), []).append(message_id)
     return {i for ids in refused.values() if len(ids) > 1 for i in ids}
+
+
+def _refused_by_broker(report: SendReport) -> bool:
+    """The record reached the producer and was refused for what it is."""
+    return report.handed_to_producer and (
+        classify(report.error, handed_to_producer=True) is SendOutcome.NON_RETRIABLE
+    )
+
+
+def _spoils_producer(report: SendReport) -> bool:
+    """After this report, the producer that sent the record must not send again."""
+    return report.handed_to_producer and (
+        classify(report.error, handed_to_producer=True)
+        in (SendOutcome.UNCERTAIN, SendOutcome.NON_RETRIABLE)
+    )
 
 
 def _groups(records: list[OutgoingRecord], alone: set[uuid.UUID]) -> list[list[OutgoingRecord]]:

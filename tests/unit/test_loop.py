@@ -452,3 +452,21 @@ def test_a_message_not_written_at_max_attempts_is_quarantined(attempt: int, stat
         assert settlement.error is not None
         assert settlement.error.startswith("gave up after 5 attempts; last: KafkaTimeoutError")
         assert settlement.retry_after == 0
+
+
+def test_an_uncertain_outcome_in_a_lone_send_discards_the_producer_before_the_next_send() -> None:
+    """A record sent alone that ends uncertain: its producer is dropped before the rest is sent."""
+    lone = replace(_message(key=b"a"), send_alone=True)
+    rest = _message(key=b"b")
+    events, store, sink, publisher = _setup(lone, rest)
+    sink.reports[lone.id] = SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True)
+
+    publisher.run_once()
+
+    assert [e for e in events if e in {"send", "discard_producer", "settle"}] == [
+        "send",
+        "discard_producer",
+        "send",
+        "settle",
+    ]
+    assert [s.state for s in store.settled[0]] == [State.UNCERTAIN, State.DELIVERED]
