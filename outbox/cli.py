@@ -9,16 +9,18 @@ needs an operator; 1 when ``status`` finds messages that need action or
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import psycopg.errors
 
+from outbox import render
 from outbox.errors import OutboxError
+from outbox.inspection import list_messages, read_timeline
 from outbox.migrations import current_version, migrate
 from outbox.operator import (
     Resolution,
@@ -28,12 +30,30 @@ from outbox.operator import (
     retry,
     retry_quarantined,
 )
+from outbox.retention import DEFAULT_BATCH_SIZE, DEFAULT_EVIDENCE_AGE, parse_duration, purge
 from outbox.states import State
-from outbox.status import HeldKey, StateCount, read_held_keys, read_status
+from outbox.status import read_held_keys, read_status
 
 EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
 EXIT_ERROR = 2
+
+
+_JSON_HELP = "print JSON instead of a table (the format is stable; see docs/operations.md)"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _duration(text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,14 +74,82 @@ def _parser() -> argparse.ArgumentParser:
     )
     status = commands.add_parser(
         "status",
-        help="message counts by state and the next safe action; exits 1 if action is needed",
-        description="Print the outbox.status view. Exit code 1 when a state needs an operator.",
+        help="how many messages are in each state, per topic and overall, and the next safe "
+        "action; exits 1 if something needs you",
+        description="Read the outbox.status view: for each state, over all topics and per "
+        "topic, the count, the age of the oldest, retries, held keys and in-flight leases, "
+        "and what to do next. Exit code 0 when nothing needs an operator, 1 when something "
+        "does (quarantined or uncertain messages, expired leases, pending messages and no "
+        "publisher running).",
     )
-    status.add_argument(
-        "--json",
-        action="store_true",
-        help='print {"counts": {state: n}, "held_keys": [...], "states": [...], "healthy": bool}',
+    status.add_argument("--topic", help="only this topic's lines and held keys")
+    status.add_argument("--json", action="store_true", help=_JSON_HELP)
+    inspect_cmd = commands.add_parser(
+        "inspect",
+        help="one message's whole story: every attempt, outcome, decision; and what to do next",
+        description="Show one message and its timeline: when it was enqueued, each attempt "
+        "(publisher, fence, batch, when sending began, outcome, error, where it landed), the "
+        "claim it is in now, the key it waits behind, and every reconciler or operator "
+        "decision with its evidence. Exit code 1 when the message needs an operator "
+        "(uncertain or quarantined).",
     )
+    inspect_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
+    inspect_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
+    list_cmd = commands.add_parser(
+        "list",
+        help="the messages in one state, oldest first (ids to inspect, retry, resolve, discard)",
+        description="List the messages in one state, oldest first, with what matters for that "
+        "state: the error of a quarantined message, the lease of an in-flight one, where a "
+        "delivered one landed.",
+    )
+    list_cmd.add_argument(
+        "--state",
+        type=State,
+        required=True,
+        choices=list(State),
+        metavar="STATE",
+        help="one of: " + ", ".join(State),
+    )
+    list_cmd.add_argument("--topic", help="only this topic")
+    list_cmd.add_argument(
+        "--limit", type=_positive_int, default=50, help="at most this many (default 50)"
+    )
+    list_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
+    purge_cmd = commands.add_parser(
+        "purge",
+        help="delete delivered messages older than a period, in small batches",
+        description="Retention. Delete delivered messages delivered longer ago than "
+        "--delivered-older-than, and the evidence (attempts, decisions, batches) of purged "
+        "messages once older than --evidence-older-than. Never deletes a message that is not "
+        "delivered, nor the evidence of one that exists. Works in short transactions of "
+        "--batch-size rows, so it can run next to the publishers. Note that a purged "
+        "message's idempotency key can be used again.",
+    )
+    purge_cmd.add_argument(
+        "--delivered-older-than",
+        type=_duration,
+        required=True,
+        metavar="AGE",
+        help="e.g. 7d; units s, m, h, d, w",
+    )
+    purge_cmd.add_argument(
+        "--evidence-older-than",
+        type=_duration,
+        default=DEFAULT_EVIDENCE_AGE,
+        metavar="AGE",
+        help="keep the evidence of purged messages this long "
+        f"(default {DEFAULT_EVIDENCE_AGE.days}d)",
+    )
+    purge_cmd.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        help=f"rows deleted per transaction (default {DEFAULT_BATCH_SIZE})",
+    )
+    purge_cmd.add_argument(
+        "--dry-run", action="store_true", help="count what would be deleted, delete nothing"
+    )
+    purge_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
     reconcile = commands.add_parser(
         "reconcile",
         help="recover expired leases and decide uncertain messages from Kafka; "
@@ -125,74 +213,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _key_text(key: bytes) -> str:
-    try:
-        return key.decode()
-    except UnicodeDecodeError:
-        return "0x" + key.hex()
-
-
-def _status_json(lines: list[StateCount], held: list[HeldKey]) -> str:
-    return json.dumps(
-        {
-            "counts": {line.state: line.messages for line in lines},
-            "held_keys": [
-                {
-                    "topic": h.topic,
-                    "key": _key_text(h.key),
-                    "held_by": str(h.held_by),
-                    "state": h.state,
-                    "waiting": h.waiting,
-                    "reason": h.reason,
-                    "next_action": h.next_action,
-                }
-                for h in held
-            ],
-            "healthy": all(line.healthy for line in lines),
-            "states": [
-                {
-                    "state": line.state,
-                    "messages": line.messages,
-                    "oldest_created_at": line.oldest_created_at.isoformat()
-                    if line.oldest_created_at
-                    else None,
-                    "healthy": line.healthy,
-                    "next_action": line.next_action,
-                }
-                for line in lines
-            ],
-        },
-        indent=2,
-    )
-
-
-def _held_table(held: list[HeldKey]) -> str:
-    if not held:
-        return ""
-    out = [f"\nHELD KEYS ({len(held)}): later messages of these keys wait"]
-    for h in held:
-        out.append(
-            f"  {h.topic} / {_key_text(h.key)}: held by {h.held_by} ({h.state}), "
-            f"{h.waiting} waiting\n    why: {h.reason}\n    next: {h.next_action}"
-        )
-    return "\n".join(out)
-
-
-def _status_table(lines: list[StateCount]) -> str:
-    rows = [("STATE", "MESSAGES", "OLDEST", "NEXT ACTION")]
-    for line in lines:
-        oldest = "-"
-        if line.oldest_created_at is not None:
-            oldest = line.oldest_created_at.strftime("%Y-%m-%d %H:%M:%S")
-        action = "-" if line.healthy else line.next_action
-        rows.append((line.state, str(line.messages), oldest, action))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(
-        f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip()
-        for r in rows
-    )
-
-
 def _migrate(args: argparse.Namespace) -> int:
     applied = migrate(args.database_url)
     with psycopg.connect(args.database_url) as conn:
@@ -206,11 +226,47 @@ def _status(args: argparse.Namespace) -> int:
     with psycopg.connect(args.database_url) as conn:
         lines = read_status(conn)
         held = read_held_keys(conn)
-    if args.json:
-        print(_status_json(lines, held))
-    else:
-        print(_status_table(lines) + _held_table(held))
+    if args.topic is not None:
+        lines = [line for line in lines if line.topic == args.topic]
+        held = [h for h in held if h.topic == args.topic]
+    print(render.status_json(lines, held) if args.json else render.status_text(lines, held))
     return EXIT_OK if all(line.healthy for line in lines) else EXIT_ACTION_NEEDED
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        timeline = read_timeline(conn, args.message_id)
+    if timeline is None:
+        raise OutboxError(f"no message {args.message_id} (and no evidence of one)")
+    print(render.timeline_json(timeline) if args.json else render.timeline_text(timeline))
+    return EXIT_ACTION_NEEDED if timeline.needs_action else EXIT_OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        listing = list_messages(conn, args.state, topic=args.topic, limit=args.limit)
+        now = conn.execute("SELECT now()").fetchone()
+    if args.json:
+        print(render.listing_json(listing))
+    else:
+        print(render.listing_text(listing, now=now[0] if now else datetime.now(UTC)))
+    return EXIT_OK
+
+
+def _purge(args: argparse.Namespace) -> int:
+    with psycopg.connect(args.database_url) as conn:
+        report = purge(
+            conn,
+            delivered_older_than=args.delivered_older_than,
+            evidence_older_than=args.evidence_older_than,
+            batch_size=args.batch_size,
+            dry_run=args.dry_run,
+        )
+    if args.json:
+        print(render.purge_json(report, dry_run=args.dry_run))
+    else:
+        print(render.purge_text(report, dry_run=args.dry_run))
+    return EXIT_OK
 
 
 def _reconcile(args: argparse.Namespace) -> int:
@@ -241,7 +297,11 @@ def _reconcile(args: argparse.Namespace) -> int:
             if report.decided < reconciler.limit:
                 break
         with psycopg.connect(args.database_url) as conn:
-            left = {line.state: line.messages for line in read_status(conn)}[State.UNCERTAIN]
+            left = next(
+                line.messages
+                for line in read_status(conn)
+                if line.topic is None and line.state == State.UNCERTAIN
+            )
     finally:
         scanner.close()
         store.close()
@@ -301,6 +361,9 @@ def _discard(args: argparse.Namespace) -> int:
 COMMANDS = {
     "migrate": _migrate,
     "status": _status,
+    "inspect": _inspect,
+    "list": _list,
+    "purge": _purge,
     "reconcile": _reconcile,
     "resolve": _resolve,
     "retry": _retry,

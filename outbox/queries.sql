@@ -473,5 +473,159 @@ RETURNING lane
 UPDATE outbox.publishers SET stopped_at = now(), heartbeat_at = now() WHERE id = %(id)s
 
 -- name: status
-SELECT state, messages, oldest_created_at, healthy, next_action
+SELECT topic, state, messages, oldest_created_at, oldest_age_seconds, waiting_retry, retrying,
+       attempts, max_failures, lease_owners, next_lease_expiry, leases_expired, escalated,
+       held_keys, live_publishers, healthy, next_action
 FROM outbox.status
+
+-- name: message
+-- One message, for outbox inspect; value_bytes instead of the payload.
+SELECT id, seq, topic, key, state, created_at, available_at, lease_owner, lease_expires_at,
+       fence, attempts, failures, kafka_partition, kafka_offset, delivered_at, updated_at,
+       last_error, idempotency_key, header_names, lane, batch_id, escalated_at, send_alone,
+       octet_length(value) AS value_bytes
+FROM outbox.messages
+WHERE id = %(id)s
+
+-- name: message_attempts
+-- Every recorded attempt of a message, with the process that made it and
+-- the evidence its batch recorded (kept while the batch is).
+SELECT a.attempt, a.publisher_id, p.host, p.pid, a.fence, a.batch_id, a.started_at,
+       a.send_began, b.send_began_at, b.write_deadline, a.finished_at, a.outcome, a.error,
+       a.kafka_partition, a.kafka_offset
+FROM outbox.attempts AS a
+LEFT JOIN outbox.publishers AS p ON p.id = a.publisher_id
+LEFT JOIN outbox.batches AS b ON b.id = a.batch_id
+WHERE a.message_id = %(id)s
+ORDER BY a.attempt
+
+-- name: message_claim
+-- The claim a message is in now (its attempt record is written when it settles).
+SELECT b.id, b.publisher_id, p.host, p.pid, b.claimed_at, b.send_began_at, b.write_deadline
+FROM outbox.messages AS m
+JOIN outbox.batches AS b ON b.id = m.batch_id
+LEFT JOIN outbox.publishers AS p ON p.id = b.publisher_id
+WHERE m.id = %(id)s AND m.state IN ('in_flight', 'uncertain')
+
+-- name: message_decisions
+SELECT decided_at, decided_by, from_state, to_state, reason, evidence
+FROM outbox.decisions
+WHERE message_id = %(id)s
+ORDER BY decided_at, id
+
+-- name: message_holder
+-- The message holding back this message's key, if the key is held.
+SELECT h.held_by, h.state, h.reason
+FROM outbox.messages AS m
+JOIN outbox.held_keys AS h ON h.topic = m.topic AND h.key = m.key
+WHERE m.id = %(id)s AND h.held_by <> m.id
+
+-- name: list_messages
+-- Messages in one state, oldest first; one more than asked shows there are more.
+SELECT id, topic, key, state, created_at, attempts, failures, available_at, lease_owner,
+       lease_expires_at, kafka_partition, kafka_offset, delivered_at, escalated_at, last_error
+FROM outbox.messages
+WHERE state = %(state)s AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+ORDER BY seq
+LIMIT %(limit)s
+
+-- name: purge_delivered
+-- One bounded step of retention. Looks at up to `limit` messages after
+-- `after` in id order, enqueued before the cutoff (ids are UUIDv7: an id
+-- range is an enqueue-time range, read from the primary key), and deletes
+-- those delivered before the cutoff. Nothing else is ever deleted. Returns
+-- the last id looked at (NULL when done) and how many were deleted.
+WITH scanned AS (
+    SELECT id FROM outbox.messages
+    WHERE id > %(after)s AND id < outbox.uuid7_floor(now() - %(age)s::interval)
+    ORDER BY id
+    LIMIT %(limit)s
+),
+deleted AS (
+    DELETE FROM outbox.messages AS m
+    USING scanned AS s
+    WHERE m.id = s.id AND m.state = 'delivered'
+      AND m.delivered_at < now() - %(age)s::interval
+    RETURNING 1
+)
+SELECT (SELECT id FROM scanned ORDER BY id DESC LIMIT 1), (SELECT count(*) FROM deleted)
+
+-- name: count_delivered_to_purge
+SELECT count(*) FROM outbox.messages
+WHERE id < outbox.uuid7_floor(now() - %(age)s::interval)
+  AND state = 'delivered' AND delivered_at < now() - %(age)s::interval
+
+-- name: purge_attempts
+-- One bounded step: attempts of messages enqueued before the cutoff whose
+-- message row is gone. The evidence of a message that exists is kept.
+WITH scanned AS (
+    SELECT message_id, attempt FROM outbox.attempts
+    WHERE (message_id, attempt) > (%(after)s, %(after_n)s)
+      AND message_id < outbox.uuid7_floor(now() - %(age)s::interval)
+    ORDER BY message_id, attempt
+    LIMIT %(limit)s
+),
+deleted AS (
+    DELETE FROM outbox.attempts AS a
+    USING scanned AS s
+    WHERE a.message_id = s.message_id AND a.attempt = s.attempt
+      AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = a.message_id)
+    RETURNING 1
+),
+last AS (SELECT message_id, attempt FROM scanned ORDER BY message_id DESC, attempt DESC LIMIT 1)
+SELECT (SELECT message_id FROM last), (SELECT attempt FROM last), (SELECT count(*) FROM deleted)
+
+-- name: count_attempts_to_purge
+SELECT count(*) FROM outbox.attempts AS a
+WHERE a.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
+  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = a.message_id)
+
+-- name: purge_decisions
+-- As purge_attempts, for decisions.
+WITH scanned AS (
+    SELECT message_id, id FROM outbox.decisions
+    WHERE (message_id, id) > (%(after)s, %(after_n)s)
+      AND message_id < outbox.uuid7_floor(now() - %(age)s::interval)
+    ORDER BY message_id, id
+    LIMIT %(limit)s
+),
+deleted AS (
+    DELETE FROM outbox.decisions AS d
+    USING scanned AS s
+    WHERE d.id = s.id
+      AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id)
+    RETURNING 1
+),
+last AS (SELECT message_id, id FROM scanned ORDER BY message_id DESC, id DESC LIMIT 1)
+SELECT (SELECT message_id FROM last), (SELECT id FROM last), (SELECT count(*) FROM deleted)
+
+-- name: count_decisions_to_purge
+SELECT count(*) FROM outbox.decisions AS d
+WHERE d.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
+  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id)
+
+-- name: purge_batches
+-- One bounded step: batches claimed before the cutoff, except those an
+-- in-flight or uncertain message still needs for recovery or reconciliation.
+-- Returns the last id looked at, NULL once past the cutoff.
+WITH scanned AS (
+    SELECT id FROM outbox.batches
+    WHERE id > %(after)s AND claimed_at < now() - %(age)s::interval
+    ORDER BY id
+    LIMIT %(limit)s
+),
+deleted AS (
+    DELETE FROM outbox.batches AS b
+    USING scanned AS s
+    WHERE b.id = s.id
+      AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
+                      WHERE m.batch_id = b.id AND m.state IN ('in_flight', 'uncertain'))
+    RETURNING 1
+)
+SELECT (SELECT max(id) FROM scanned), 0, (SELECT count(*) FROM deleted)
+
+-- name: count_batches_to_purge
+SELECT count(*) FROM outbox.batches AS b
+WHERE b.claimed_at < now() - %(age)s::interval
+  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
+                  WHERE m.batch_id = b.id AND m.state IN ('in_flight', 'uncertain'))

@@ -1,4 +1,4 @@
-"""Reading the status views: counts by state, held keys, and the next safe action."""
+"""Reading the status view: per topic and overall, counts by state and the next safe action."""
 
 from __future__ import annotations
 
@@ -13,21 +13,41 @@ from outbox.queries import query
 
 
 @dataclass(frozen=True, slots=True)
-class StateCount:
-    """One line of the status view."""
+class StatusLine:
+    """One line of ``outbox.status``: a state, over all topics (``topic`` None) or in one."""
 
+    topic: str | None
     state: str
     messages: int
     oldest_created_at: datetime | None
+    #: Seconds since the oldest of these messages was enqueued.
+    oldest_age_seconds: float | None
+    #: Pending messages waiting out a retry delay.
+    waiting_retry: int
+    #: Messages that failed at least once since the last operator decision.
+    retrying: int
+    #: Attempts made on these messages, all told.
+    attempts: int
+    max_failures: int
+    #: Publishers holding the in-flight leases.
+    lease_owners: list[uuid.UUID]
+    next_lease_expiry: datetime | None
+    leases_expired: int
+    #: Uncertain messages the reconciler could not decide: an operator must.
+    escalated: int
+    #: Keys held back by a message in this state.
+    held_keys: int
+    live_publishers: int
+    #: False when an operator should act on this line.
     healthy: bool
     next_action: str
 
 
-def read_status(conn: psycopg.Connection[Any]) -> list[StateCount]:
-    """Return one line per state, in lifecycle order, including states with no messages."""
+def read_status(conn: psycopg.Connection[Any]) -> list[StatusLine]:
+    """Every line of ``outbox.status``: first each state over all topics, then per topic."""
     with conn.cursor() as cur:
         cur.execute(query("status"))
-        return [StateCount(*row) for row in cur.fetchall()]
+        return [StatusLine(*row) for row in cur.fetchall()]
 
 
 @dataclass(frozen=True, slots=True)

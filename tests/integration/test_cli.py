@@ -49,7 +49,8 @@ def test_migrate_then_status_json_counts_every_state(empty_database_url: str) ->
     table = _outbox("status", url=empty_database_url)
     assert table.returncode == 1
     assert "quarantined" in table.stdout
-    assert "retry or discard" in table.stdout
+    assert "NEEDS ACTION: read its error" in table.stdout
+    assert "outbox retry ID, or outbox discard ID" in table.stdout
 
 
 def test_status_on_healthy_database_exits_zero(database_url: str) -> None:

@@ -1,0 +1,215 @@
+"""One message's whole story (``outbox inspect``) and messages by state (``outbox list``).
+
+The timeline is assembled from what the tables keep: the message row, its
+attempt records (with the publisher, fence and batch evidence of each), the
+claim it is in now, and every decision taken on it. After retention purged a
+delivered message, its attempts and decisions stay for the evidence window
+and the timeline is told from them alone.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from outbox.queries import query
+from outbox.states import State
+
+#: What to do next about a message in each state that needs a person, or may.
+_NEXT_ACTION = {
+    State.PENDING: "none: a publisher will claim it",
+    State.IN_FLIGHT: "none while its lease is live; after that a publisher recovers it from "
+    "its evidence (or run outbox reconcile)",
+    State.DELIVERED: "none",
+    State.UNCERTAIN: "wait: the reconciler decides it from Kafka once the producer that sent "
+    "it can no longer write (or run outbox reconcile)",
+    State.QUARANTINED: "read the error, fix the cause, then outbox retry ID, "
+    "or outbox discard ID --reason TEXT",
+    State.DISCARDED: "none: an operator decided not to deliver it",
+}
+_ESCALATED_ACTION = (
+    "the evidence in Kafka is gone: check the topic, then decide with "
+    "outbox resolve ID --delivered|--pending|--discard --reason TEXT"
+)
+#: States in which a message needs an operator (inspect exits 1).
+NEEDS_ACTION = frozenset({State.UNCERTAIN, State.QUARANTINED})
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One line of a timeline."""
+
+    at: datetime
+    event: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """A message as the tables know it; ``message`` is None once retention purged it."""
+
+    message_id: uuid.UUID
+    message: dict[str, Any] | None
+    attempts: list[dict[str, Any]]
+    decisions: list[dict[str, Any]]
+    #: The claim the message is in now (in flight, or uncertain from it).
+    claim: dict[str, Any] | None
+    #: The message holding back this message's key, if any.
+    held_behind: dict[str, Any] | None
+    events: list[Event]
+
+    @property
+    def state(self) -> str:
+        """The message's state, or ``purged``."""
+        return "purged" if self.message is None else str(self.message["state"])
+
+    @property
+    def needs_action(self) -> bool:
+        """Whether an operator should decide something about this message."""
+        return self.message is not None and self.message["state"] in NEEDS_ACTION
+
+    @property
+    def next_action(self) -> str:
+        """The next safe action, in words."""
+        if self.message is None:
+            return "none: delivered and purged by retention; only its evidence is kept"
+        state = State(self.message["state"])
+        if state is State.UNCERTAIN and self.message["escalated_at"] is not None:
+            return _ESCALATED_ACTION
+        if state is State.PENDING and self.held_behind is not None:
+            return (
+                f"none here: its key waits behind message {self.held_behind['held_by']} "
+                f"({self.held_behind['state']}); act on that one"
+            )
+        return _NEXT_ACTION[state]
+
+
+def read_timeline(conn: psycopg.Connection[Any], message_id: uuid.UUID) -> Timeline | None:
+    """Everything known about one message, or None when nothing is (never existed, or purged)."""
+    params = {"id": message_id}
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(query("message"), params)
+        message = cur.fetchone()
+        cur.execute(query("message_attempts"), params)
+        attempts = cur.fetchall()
+        cur.execute(query("message_decisions"), params)
+        decisions = cur.fetchall()
+        claim = held = None
+        if message is not None:
+            cur.execute(query("message_claim"), params)
+            claim = cur.fetchone()
+            cur.execute(query("message_holder"), params)
+            held = cur.fetchone()
+    if message is None and not attempts and not decisions:
+        return None
+    events = _events(message, attempts, decisions, claim)
+    return Timeline(message_id, message, attempts, decisions, claim, held, events)
+
+
+def _events(
+    message: dict[str, Any] | None,
+    attempts: list[dict[str, Any]],
+    decisions: list[dict[str, Any]],
+    claim: dict[str, Any] | None,
+) -> list[Event]:
+    events: list[Event] = []
+    if message is not None:
+        enqueued = {"topic": message["topic"], "seq": message["seq"]}
+        events.append(Event(message["created_at"], "enqueued", enqueued))
+    for a in attempts:
+        who = {"publisher": a["publisher_id"], "host": a["host"], "pid": a["pid"]}
+        events.append(
+            Event(
+                a["started_at"],
+                f"attempt {a['attempt']} claimed",
+                {**who, "fence": a["fence"], "batch": a["batch_id"]},
+            )
+        )
+        if a["send_began_at"] is not None and a["send_began"]:
+            events.append(
+                Event(
+                    a["send_began_at"],
+                    f"attempt {a['attempt']} sending",
+                    {"write_deadline": a["write_deadline"]},
+                )
+            )
+        if a["finished_at"] is not None:
+            detail: dict[str, Any] = {"outcome": a["outcome"], "fence": a["fence"]}
+            if a["kafka_partition"] is not None:
+                detail["partition"] = a["kafka_partition"]
+            if a["kafka_offset"] is not None:
+                detail["offset"] = a["kafka_offset"]
+            if a["error"]:
+                detail["error"] = a["error"]
+            events.append(Event(a["finished_at"], f"attempt {a['attempt']} {a['outcome']}", detail))
+    if claim is not None and message is not None and message["state"] == State.IN_FLIGHT:
+        n = message["attempts"]
+        events.append(
+            Event(
+                claim["claimed_at"],
+                f"attempt {n} claimed (in flight)",
+                {
+                    "publisher": claim["publisher_id"],
+                    "host": claim["host"],
+                    "pid": claim["pid"],
+                    "fence": message["fence"],
+                    "batch": claim["id"],
+                    "lease_expires_at": message["lease_expires_at"],
+                },
+            )
+        )
+        if claim["send_began_at"] is not None:
+            events.append(
+                Event(
+                    claim["send_began_at"],
+                    f"attempt {n} sending",
+                    {"write_deadline": claim["write_deadline"]},
+                )
+            )
+    for d in decisions:
+        events.append(
+            Event(
+                d["decided_at"],
+                f"decided {d['from_state']} -> {d['to_state']}",
+                {"by": d["decided_by"], "reason": d["reason"], "evidence": d["evidence"]},
+            )
+        )
+    delivered_by_attempt = any(a["outcome"] == "delivered" for a in attempts)
+    if message is not None and message["delivered_at"] is not None and not delivered_by_attempt:
+        events.append(
+            Event(
+                message["delivered_at"],
+                "delivered",
+                {"partition": message["kafka_partition"], "offset": message["kafka_offset"]},
+            )
+        )
+    # Stable: events at the same instant keep the order they were added in.
+    events.sort(key=lambda e: e.at)
+    return events
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """Messages of one state, oldest first, and whether more matched than were shown."""
+
+    messages: list[dict[str, Any]]
+    more: bool
+
+
+def list_messages(
+    conn: psycopg.Connection[Any], state: State, *, topic: str | None = None, limit: int = 50
+) -> Listing:
+    """The oldest ``limit`` messages in ``state`` (of ``topic``, if given)."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(
+            query("list_messages"), {"state": state.value, "topic": topic, "limit": limit + 1}
+        )
+        rows = cur.fetchall()
+    return Listing(rows[:limit], len(rows) > limit)

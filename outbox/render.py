@@ -1,0 +1,301 @@
+"""How the ``outbox`` command shows things: readable tables, and stable JSON.
+
+The JSON shapes are part of the interface (docs/operations.md lists them):
+keys are only ever added, never renamed or removed. Times are ISO 8601 with
+their offset, ids are strings, keys are text (``0x``-prefixed hex when they
+are not UTF-8), and durations are seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any
+
+from outbox.inspection import Listing, Timeline
+from outbox.retention import PurgeReport
+from outbox.status import HeldKey, StatusLine
+
+
+def key_text(key: bytes | None) -> str | None:
+    """A Kafka key as text: itself when it is UTF-8, else ``0x`` and its hex."""
+    if key is None:
+        return None
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return "0x" + key.hex()
+
+
+def _plain(value: Any) -> Any:
+    """Make a value JSON-ready: times, ids and bytes as text, containers recursively."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, bytes | memoryview):
+        return key_text(bytes(value))
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """Pretty, stable JSON of plain values, datetimes, UUIDs and bytes."""
+    return json.dumps(_plain(value), indent=2)
+
+
+def age(seconds: float | None) -> str:
+    """A duration for people: ``42s``, ``3m 20s``, ``5h 02m``, ``2d 03h``."""
+    if seconds is None:
+        return "-"
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def table(rows: Sequence[Sequence[str]], *, right: frozenset[int] = frozenset()) -> str:
+    """Columns padded to their widest cell; the last column is never padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    out = []
+    for row in rows:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row[:-1])
+        ]
+        out.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(out)
+
+
+def _time(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+# --- status ------------------------------------------------------------------
+
+
+def _line_json(line: StatusLine) -> dict[str, Any]:
+    d = asdict(line)
+    del d["live_publishers"]
+    return d
+
+
+def status_json(lines: list[StatusLine], held: list[HeldKey]) -> str:
+    """``outbox status --json``."""
+    overall = [line for line in lines if line.topic is None]
+    topics: dict[str, list[dict[str, Any]]] = {}
+    for line in lines:
+        if line.topic is not None:
+            topics.setdefault(line.topic, []).append(_line_json(line))
+    return to_json(
+        {
+            "healthy": all(line.healthy for line in lines),
+            "live_publishers": overall[0].live_publishers if overall else 0,
+            "counts": {line.state: line.messages for line in overall},
+            "states": [_line_json(line) for line in overall],
+            "topics": topics,
+            "held_keys": [asdict(h) for h in held],
+        }
+    )
+
+
+def _status_rows(lines: list[StatusLine], *, with_topic: bool) -> list[list[str]]:
+    head = ["STATE", "MESSAGES", "OLDEST", "RETRYING", "HELD KEYS", "NEXT ACTION"]
+    rows = [["TOPIC", *head] if with_topic else head]
+    for line in lines:
+        cells = [
+            line.state,
+            str(line.messages),
+            age(line.oldest_age_seconds),
+            str(line.retrying),
+            str(line.held_keys),
+            ("NEEDS ACTION: " if not line.healthy else "") + line.next_action,
+        ]
+        rows.append([line.topic or "", *cells] if with_topic else cells)
+    return rows
+
+
+def status_text(lines: list[StatusLine], held: list[HeldKey]) -> str:
+    """``outbox status``: states over all topics, then per topic, leases, held keys."""
+    overall = [line for line in lines if line.topic is None]
+    per_topic = [line for line in lines if line.topic is not None]
+    live = overall[0].live_publishers if overall else 0
+    healthy = all(line.healthy for line in lines)
+    out = [
+        f"outbox: {'healthy' if healthy else 'ACTION NEEDED'}; {live} publisher(s) running",
+        "",
+        "ALL TOPICS",
+        table(_status_rows(overall, with_topic=False), right=frozenset({1, 3, 4})),
+    ]
+    if per_topic:
+        out += [
+            "",
+            "BY TOPIC (states with messages)",
+            table(_status_rows(per_topic, with_topic=True), right=frozenset({2, 4, 5})),
+        ]
+    in_flight = next((x for x in overall if x.state == "in_flight" and x.messages), None)
+    if in_flight is not None:
+        owners = ", ".join(str(o) for o in in_flight.lease_owners)
+        out += [
+            "",
+            f"IN FLIGHT: {in_flight.messages} message(s) leased by {owners}; "
+            f"next lease expiry {_time(in_flight.next_lease_expiry)}; "
+            f"{in_flight.leases_expired} expired",
+        ]
+    if held:
+        out += ["", f"HELD KEYS ({len(held)}): later messages of these keys wait"]
+        for h in held:
+            out.append(
+                f"  {h.topic} / {key_text(h.key)}: held by {h.held_by} ({h.state}), "
+                f"{h.waiting} waiting\n    why: {h.reason}\n    next: {h.next_action}"
+            )
+    return "\n".join(out)
+
+
+# --- inspect -------------------------------------------------------------------
+
+
+def timeline_json(t: Timeline) -> str:
+    """``outbox inspect --json``."""
+    return to_json(
+        {
+            "id": t.message_id,
+            "state": t.state,
+            "needs_action": t.needs_action,
+            "next_action": t.next_action,
+            "message": t.message,
+            "held_behind": t.held_behind,
+            "current_claim": t.claim,
+            "attempts": t.attempts,
+            "decisions": t.decisions,
+            "timeline": [{"at": e.at, "event": e.event, **e.detail} for e in t.events],
+        }
+    )
+
+
+def _detail(detail: Mapping[str, Any]) -> str:
+    parts = []
+    for k, v in detail.items():
+        if v is None or v == {}:
+            continue
+        if isinstance(v, datetime):
+            shown = _time(v)
+        elif isinstance(v, Mapping):
+            shown = json.dumps(_plain(v), sort_keys=True)
+        else:
+            shown = str(v)
+        parts.append(f"{k}={shown}")
+    return " ".join(parts)
+
+
+def timeline_text(t: Timeline) -> str:
+    """``outbox inspect``: the message, then its timeline, then the next action."""
+    out = [f"message {t.message_id}: {t.state}"]
+    m = t.message
+    if m is not None:
+        fields = [
+            ("topic", m["topic"]),
+            ("key", key_text(m["key"])),
+            ("value", f"{m['value_bytes']} bytes"),
+            ("headers", ", ".join(m["header_names"]) or "-"),
+            ("idempotency key", m["idempotency_key"]),
+            ("lane / seq", f"{m['lane']} / {m['seq']}"),
+            ("attempts", f"{m['attempts']} ({m['failures']} failed since last decision)"),
+            ("fence", m["fence"]),
+            ("location", f"partition {m['kafka_partition']} offset {m['kafka_offset']}"),
+            ("available at", _time(m["available_at"])),
+            ("lease", f"{m['lease_owner']} until {_time(m['lease_expires_at'])}"),
+            ("escalated at", _time(m["escalated_at"]) if m["escalated_at"] else None),
+            ("last error", m["last_error"]),
+        ]
+        out += [f"  {name + ':':<17}{value}" for name, value in fields if _shown(name, value, m)]
+    else:
+        out.append("  (the message row was purged by retention; its evidence is below)")
+    out += ["", "TIMELINE"]
+    out += [f"  {_time(e.at)}  {e.event}  {_detail(e.detail)}".rstrip() for e in t.events]
+    out += ["", f"next: {t.next_action}"]
+    return "\n".join(out)
+
+
+def _shown(name: str, value: Any, m: Mapping[str, Any]) -> bool:
+    if name == "location":
+        return m["kafka_partition"] is not None
+    if name == "lease":
+        return m["lease_owner"] is not None and bool(m["state"] == "in_flight")
+    if name == "available at":
+        return bool(m["state"] == "pending")
+    return value is not None
+
+
+# --- list --------------------------------------------------------------------
+
+
+def listing_json(listing: Listing) -> str:
+    """``outbox list --json``."""
+    return to_json({"messages": listing.messages, "more": listing.more})
+
+
+def listing_text(listing: Listing, *, now: datetime) -> str:
+    """``outbox list``: one line per message, oldest first."""
+    if not listing.messages:
+        return "no messages"
+    rows = [["ID", "TOPIC", "KEY", "AGE", "ATTEMPTS", "DETAIL"]]
+    for m in listing.messages:
+        rows.append(
+            [
+                str(m["id"]),
+                m["topic"],
+                key_text(m["key"]) or "-",
+                age((now - m["created_at"]).total_seconds()),
+                str(m["attempts"]),
+                _list_detail(m),
+            ]
+        )
+    text = table(rows, right=frozenset({3, 4}))
+    if listing.more:
+        text += f"\n(more than {len(listing.messages)}; raise --limit to see them)"
+    return text
+
+
+def _list_detail(m: Mapping[str, Any]) -> str:
+    state = m["state"]
+    if state == "in_flight":
+        return f"leased by {m['lease_owner']} until {_time(m['lease_expires_at'])}"
+    if state == "delivered":
+        return f"partition {m['kafka_partition']} offset {m['kafka_offset']}"
+    if state == "pending" and m["failures"]:
+        return f"retry at {_time(m['available_at'])}: {m['last_error'] or ''}"
+    if state == "uncertain" and m["escalated_at"] is not None:
+        return f"ESCALATED: {m['last_error'] or ''}"
+    return m["last_error"] or ""
+
+
+# --- purge -------------------------------------------------------------------
+
+
+def purge_text(report: PurgeReport, *, dry_run: bool) -> str:
+    """``outbox purge``."""
+    verb = "would delete" if dry_run else "deleted"
+    steps = "" if dry_run else f" in {report.steps} transactions"
+    return (
+        f"{verb} {report.messages} delivered message(s); evidence of purged messages: "
+        f"{report.attempts} attempt(s), {report.decisions} decision(s), "
+        f"{report.batches} batch(es){steps}"
+    )
+
+
+def purge_json(report: PurgeReport, *, dry_run: bool) -> str:
+    """``outbox purge --json``."""
+    return to_json({"dry_run": dry_run, **asdict(report)})

@@ -1,0 +1,142 @@
+"""Retention: delete delivered messages, and later their evidence, in small steps.
+
+``purge`` never deletes a message that is not delivered. It deletes:
+
+* delivered messages delivered (and enqueued) longer ago than
+  ``delivered_older_than``;
+* attempts and decisions of messages that are gone (purged), once those
+  messages were enqueued longer ago than ``evidence_older_than``; the
+  evidence of a message that still exists is never deleted;
+* batches claimed longer ago than ``evidence_older_than``, except those an
+  in-flight or uncertain message still needs.
+
+Each step deletes at most ``batch_size`` rows in its own short transaction,
+walking the primary keys (message ids are UUIDv7, so id order is enqueue
+order) with a cursor, so purge neither holds long locks nor rereads rows.
+A deleted message frees its idempotency key: enqueues are deduplicated only
+for as long as their message is kept.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from outbox.queries import query
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+#: Evidence (attempts, decisions, batches) outlives its purged message by default.
+DEFAULT_EVIDENCE_AGE = timedelta(days=30)
+#: Rows deleted per step (and per transaction).
+DEFAULT_BATCH_SIZE = 1000
+
+_ZERO_ID = uuid.UUID(int=0)
+
+
+def parse_duration(text: str) -> timedelta:
+    """Parse ``30s``, ``15m``, ``12h``, ``7d`` or ``2w``; ``ValueError`` says what is accepted."""
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a duration: use a number and a unit, s, m, h, d or w (e.g. 7d)"
+        )
+    seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+    if seconds <= 0:
+        raise ValueError(f"{text!r}: a retention period must be longer than zero")
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeReport:
+    """How many rows a purge deleted (or, in a dry run, would delete)."""
+
+    messages: int = 0
+    attempts: int = 0
+    decisions: int = 0
+    batches: int = 0
+    #: Transactions the purge took (0 in a dry run).
+    steps: int = 0
+
+
+def purge(
+    conn: psycopg.Connection[Any],
+    *,
+    delivered_older_than: timedelta,
+    evidence_older_than: timedelta = DEFAULT_EVIDENCE_AGE,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    dry_run: bool = False,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> PurgeReport:
+    """Delete what retention allows, ``batch_size`` rows per transaction; return the counts.
+
+    ``conn`` is committed after every step, so pass a connection of your own,
+    not one in the middle of a business transaction. ``should_stop`` is asked
+    between steps (the publisher stops a purge when it is asked to stop).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    for name, age in (
+        ("delivered_older_than", delivered_older_than),
+        ("evidence_older_than", evidence_older_than),
+    ):
+        if age <= timedelta(0):
+            raise ValueError(f"{name} must be longer than zero, got {age}")
+    if dry_run:
+        return _count(conn, delivered_older_than, evidence_older_than)
+    steps = 0
+
+    def walk(name: str, age: timedelta, first: tuple[Any, Any]) -> int:
+        nonlocal steps
+        cursor, deleted = first, 0
+        while not should_stop():
+            with conn.cursor() as cur:
+                cur.execute(
+                    query(name),
+                    {"after": cursor[0], "after_n": cursor[1], "age": age, "limit": batch_size},
+                )
+                row = cur.fetchone()
+            conn.commit()
+            steps += 1
+            if row is None:  # not reached: each step query returns one row
+                break
+            *last, count = row
+            deleted += count
+            if last[0] is None:
+                break
+            cursor = (last[0], last[1] if len(last) > 1 else 0)
+        return deleted
+
+    # Messages first, so that their evidence becomes purgeable in the same run.
+    messages = walk("purge_delivered", delivered_older_than, (_ZERO_ID, 0))
+    attempts = walk("purge_attempts", evidence_older_than, (_ZERO_ID, 0))
+    decisions = walk("purge_decisions", evidence_older_than, (_ZERO_ID, 0))
+    batches = walk("purge_batches", evidence_older_than, (0, 0))
+    return PurgeReport(messages, attempts, decisions, batches, steps)
+
+
+def _count(
+    conn: psycopg.Connection[Any], delivered_older_than: timedelta, evidence_older_than: timedelta
+) -> PurgeReport:
+    counts = []
+    with conn.cursor() as cur:
+        for name, age in (
+            ("count_delivered_to_purge", delivered_older_than),
+            ("count_attempts_to_purge", evidence_older_than),
+            ("count_decisions_to_purge", evidence_older_than),
+            ("count_batches_to_purge", evidence_older_than),
+        ):
+            cur.execute(query(name), {"age": age})
+            row = cur.fetchone()
+            counts.append(row[0] if row else 0)
+    conn.rollback()
+    # A dry run counts attempts and decisions of messages that are gone now;
+    # those of the messages the purge would delete are not included.
+    return PurgeReport(*counts)
