@@ -5,6 +5,10 @@ Migrations are the files ``schema/NNNN_name.sql`` (shipped in the wheel as
 its own transaction together with its row in ``outbox.schema_migrations``.
 A transaction-scoped advisory lock serialises concurrent runs, so running
 it repeatedly or from several processes at once is safe.
+
+``migrate_connection`` applies them on a connection the caller already holds,
+inside the caller's transaction: that is how a schema managed by Alembic (or
+any other migration tool) gets the outbox tables, views and triggers.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.orm import Session
 
+from outbox.connection import Executor, executor_for
 from outbox.errors import MigrationError
 
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -72,12 +79,15 @@ CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
 """
 
 
+_APPLIED = "SELECT version FROM outbox.schema_migrations"
+
+
 def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
     """Versions recorded in ``outbox.schema_migrations`` (empty before the first run)."""
     row = conn.execute("SELECT to_regclass('outbox.schema_migrations')").fetchone()
     if row is None or row[0] is None:
         return set()
-    return {v for (v,) in conn.execute("SELECT version FROM outbox.schema_migrations")}
+    return {v for (v,) in conn.execute(_APPLIED)}
 
 
 def migrate(conninfo: str) -> list[Migration]:
@@ -87,23 +97,71 @@ def migrate(conninfo: str) -> list[Migration]:
     with psycopg.connect(conninfo, autocommit=True) as conn:
         for migration in migrations:
             with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-                conn.execute(_BOOKKEEPING)
-                done = applied_versions(conn)
-                newest_known = migrations[-1].version
-                if done and max(done) > newest_known:
-                    raise MigrationError(
-                        f"the database is at schema version {max(done)}, newer than this "
-                        f"library's {newest_known}; upgrade the library"
-                    )
-                if migration.version in done:
-                    continue
-                conn.execute(migration.sql.encode())
-                conn.execute(
-                    "INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)",
-                    (migration.version, migration.name),
-                )
-                applied.append(migration)
+                applied.extend(_apply(_Target(conn), migrations, only=migration.version))
+    return applied
+
+
+def migrate_connection(conn: object) -> list[Migration]:
+    """Apply the missing migrations in ``conn``'s open transaction; return those applied.
+
+    For schemas managed by another tool: Alembic calls it from a revision
+    (``migrate_connection(op.get_bind())``) and so creates the views,
+    functions, triggers and seed rows that no ``MetaData`` can describe.
+    ``conn`` is a psycopg 3 ``Connection`` or a SQLAlchemy ``Connection`` or
+    ``Session`` on psycopg 3, as for ``enqueue``. Nothing is committed here:
+    every migration and its bookkeeping row commit or roll back with the
+    caller's transaction, and the advisory lock is held until it ends, so
+    concurrent runs (this and ``outbox migrate``) still apply each file once.
+    """
+    return _apply(_Target(conn), load_migrations())
+
+
+class _Target:
+    """Statements for migrating on a caller's connection, plain or through SQLAlchemy."""
+
+    def __init__(self, conn: object) -> None:
+        # Checks the driver (psycopg 3) and that a usable transaction is open.
+        self.executor: Executor = executor_for(conn)
+        self._conn = conn.connection() if isinstance(conn, Session) else conn
+
+    def script(self, sql: str) -> None:
+        """Run SQL holding several statements and literal ``%`` signs, without parameters."""
+        if isinstance(self._conn, SAConnection):
+            # no_parameters: the DBAPI gets the text alone, so psycopg neither
+            # reads ``%`` as a placeholder nor rejects several statements.
+            self._conn.exec_driver_sql(sql, execution_options={"no_parameters": True})
+        elif isinstance(self._conn, psycopg.Connection):
+            with self._conn.cursor() as cur:
+                cur.execute(sql.encode())
+
+
+def _apply(
+    target: _Target, migrations: list[Migration], only: int | None = None
+) -> list[Migration]:
+    """In the current transaction: lock, check the version, apply what is missing.
+
+    ``only`` limits this call to one version (``migrate`` gives each file its
+    own transaction); the version check always covers every shipped file.
+    """
+    target.executor.fetchall("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+    target.script(_BOOKKEEPING)
+    done = {v for (v,) in target.executor.fetchall(_APPLIED, ())}
+    newest_known = migrations[-1].version
+    if done and max(done) > newest_known:
+        raise MigrationError(
+            f"the database is at schema version {max(done)}, newer than this "
+            f"library's {newest_known}; upgrade the library"
+        )
+    applied = []
+    for migration in migrations:
+        if migration.version in done or (only is not None and migration.version != only):
+            continue
+        target.script(migration.sql)
+        target.executor.fetchall(
+            "INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)",
+            (migration.version, migration.name),
+        )
+        applied.append(migration)
     return applied
 
 
