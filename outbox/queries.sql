@@ -79,10 +79,10 @@ WITH mine AS (
     -- instead of hashing the whole table.
     WHERE m.id = ANY (ARRAY(SELECT id FROM next))
     RETURNING m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values,
-              m.fence, m.attempts, m.failures, m.send_alone
+              m.fence, m.attempts, m.failures, m.send_alone, m.created_at
 )
 SELECT c.id, c.topic, c.key, c.value, c.header_names, c.header_values, c.fence, c.attempts,
-       c.failures, c.send_alone, b.id, b.claimed_at
+       c.failures, c.send_alone, b.id, b.claimed_at, c.created_at
 FROM claimed AS c CROSS JOIN batch AS b
 ORDER BY c.seq
 

@@ -39,6 +39,8 @@ class ClaimedMessage:
     failures: int = 0
     #: Send it on its own: its last refusal was shared with other records.
     send_alone: bool = False
+    #: The enqueuing transaction's timestamp (PostgreSQL ``now()``: when it began).
+    created_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +203,7 @@ class PublisherStore:
                 attempt=row[7],
                 failures=row[8],
                 send_alone=row[9],
+                created_at=row[12],
             )
             for row in rows
         ]
