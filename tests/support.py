@@ -59,6 +59,17 @@ def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
         consumer.close()
 
 
+def small_topic(bootstrap: str) -> str:
+    """A new topic whose broker-side limit is 2,000 bytes per record batch."""
+    name = f"outbox-small-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        admin.create_topics([NewTopic(name, 1, 1, topic_configs={"max.message.bytes": "2000"})])
+    finally:
+        admin.close()
+    return name
+
+
 @dataclass(frozen=True)
 class ConsumedRecord:
     """A record read back from Kafka, headers as a dict of lists."""

@@ -24,24 +24,13 @@ from kafka.admin import (
 
 import outbox
 from outbox.operator import discard
-from tests.support import publish_until_idle, read_topic, wait_until
+from tests.support import publish_until_idle, read_topic, small_topic, wait_until
 
 pytestmark = pytest.mark.integration
 
 
 def _admin(bootstrap: str) -> KafkaAdminClient:
     return KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
-
-
-def _small_topic(bootstrap: str) -> str:
-    """A topic whose broker-side limit is 2,000 bytes per record batch."""
-    name = f"outbox-small-{uuid.uuid4().hex[:8]}"
-    admin = _admin(bootstrap)
-    try:
-        admin.create_topics([NewTopic(name, 1, 1, topic_configs={"max.message.bytes": "2000"})])
-    finally:
-        admin.close()
-    return name
 
 
 def _forbidden_topic(bootstrap: str) -> str:
@@ -81,7 +70,7 @@ def test_refused_records_are_quarantined_and_everything_else_is_delivered(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
     """Too large, missing topic, forbidden topic: quarantined with reasons; other keys delivered."""
-    small = _small_topic(kafka_bootstrap)
+    small = small_topic(kafka_bootstrap)
     forbidden = _forbidden_topic(kafka_bootstrap)
     missing = f"outbox-missing-{uuid.uuid4().hex[:8]}"
     with psycopg.connect(database_url) as conn:

@@ -1,0 +1,171 @@
+"""``outbox purge``: delivered messages go after one window, their evidence after another.
+
+Messages "from ten days ago" are enqueued with ids made ten days ago (ids are
+UUIDv7 and purge walks them in id order), delivered by a real publisher, and
+their delivery times moved back; so every row is as it would be after ten days.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+import outbox.ids
+from tests.support import (
+    fetch_rows,
+    make_uncertain,
+    publish_until_idle,
+    run_outbox_cli,
+    small_topic,
+)
+
+pytestmark = pytest.mark.integration
+
+DAY_NS = 86_400 * 10**9
+
+
+def _enqueue(
+    url: str, monkeypatch: pytest.MonkeyPatch, messages: list[outbox.Message], *, days_ago: int
+) -> list[uuid.UUID]:
+    """Enqueue ``messages`` with ids made ``days_ago`` days ago."""
+    then = time.time_ns() - days_ago * DAY_NS
+    with monkeypatch.context() as m:
+        m.setattr(outbox.ids, "time", SimpleNamespace(time_ns=lambda: then))
+        m.setattr(outbox.ids, "_last_ms", 0)
+        with psycopg.connect(url) as conn:
+            return outbox.enqueue_many(conn, messages)
+
+
+def _purge(url: str, *args: str) -> dict[str, Any]:
+    result = run_outbox_cli(url, "purge", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def _count(url: str, sql: str, *params: object) -> int:
+    return int(fetch_rows(url, sql, *params)[0][0])
+
+
+def test_purge_deletes_only_old_delivered_messages_then_their_evidence(
+    database_url: str, kafka_bootstrap: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Undelivered rows and recent deliveries stay; evidence outlives its message by a window."""
+    small = small_topic(kafka_bootstrap)
+    old = _enqueue(
+        database_url,
+        monkeypatch,
+        [outbox.Message(topic, b"v", key=f"k{i}") for i in range(30)],
+        days_ago=10,
+    )
+    [quarantined] = _enqueue(
+        database_url, monkeypatch, [outbox.Message(small, b"x" * 5000, key="q")], days_ago=10
+    )
+    with psycopg.connect(database_url) as conn:
+        recent = outbox.enqueue_many(conn, [outbox.Message(topic, b"v") for _ in range(5)])
+    totals = publish_until_idle(database_url, kafka_bootstrap)
+    assert (totals.delivered, totals.quarantined) == (35, 1)
+    [uncertain] = _enqueue(database_url, monkeypatch, [outbox.Message(topic, b"u")], days_ago=10)
+    make_uncertain(database_url, longest_send_seconds=3600)
+    with psycopg.connect(database_url) as conn:
+        # Ten days pass: every delivery and every claim is that old now.
+        conn.execute(
+            "UPDATE outbox.messages SET delivered_at = delivered_at - interval '10 days' "
+            "WHERE state = 'delivered'"
+        )
+        conn.execute("UPDATE outbox.batches SET claimed_at = claimed_at - interval '10 days'")
+    batches = _count(database_url, "SELECT count(*) FROM outbox.batches")
+    assert batches >= 2
+
+    dry = _purge(database_url, "--delivered-older-than", "7d", "--dry-run")
+    assert (dry["dry_run"], dry["messages"], dry["attempts"], dry["batches"]) == (True, 30, 0, 0)
+    assert _count(database_url, "SELECT count(*) FROM outbox.messages") == 37
+
+    first = _purge(database_url, "--delivered-older-than", "7d", "--batch-size", "7")
+    # Evidence is kept 30 days by default: only the messages go.
+    assert (first["messages"], first["attempts"], first["decisions"], first["batches"]) == (
+        30,
+        0,
+        0,
+        0,
+    )
+    assert first["steps"] >= 30 // 7
+    left = {
+        row[0]: row[1] for row in fetch_rows(database_url, "SELECT id, state FROM outbox.messages")
+    }
+    # Recent ids stay even though their delivery time was moved back: purge
+    # needs both the enqueue (id) and the delivery to be older than the window.
+    assert left == {
+        **dict.fromkeys(recent, "delivered"),
+        quarantined: "quarantined",
+        uncertain: "uncertain",
+    }
+    assert (
+        _count(database_url, "SELECT count(*) FROM outbox.attempts WHERE message_id = ANY(%s)", old)
+        == 30
+    )
+
+    purged = run_outbox_cli(database_url, "inspect", str(old[0]), "--json")
+    assert purged.returncode == 0, purged.stderr
+    story = json.loads(purged.stdout)
+    assert story["state"] == "purged"
+    assert story["message"] is None
+    assert [a["outcome"] for a in story["attempts"]] == ["delivered"]
+
+    second = _purge(
+        database_url,
+        "--delivered-older-than",
+        "7d",
+        "--evidence-older-than",
+        "5d",
+        "--batch-size",
+        "4",
+    )
+    assert (second["messages"], second["attempts"]) == (0, 30)
+    # Every batch went except the one the uncertain message still needs.
+    assert second["batches"] == batches - 1
+    [(kept_batch,)] = fetch_rows(
+        database_url,
+        "SELECT b.id FROM outbox.batches AS b JOIN outbox.messages AS m ON m.batch_id = b.id "
+        "WHERE m.id = %s",
+        uncertain,
+    )
+    assert kept_batch is not None
+    # The evidence of messages that still exist is never touched.
+    assert (
+        _count(
+            database_url,
+            "SELECT count(*) FROM outbox.attempts WHERE message_id = ANY(%s)",
+            [quarantined, uncertain, *recent],
+        )
+        == 7
+    )
+    gone = run_outbox_cli(database_url, "inspect", str(old[0]))
+    assert gone.returncode == 2
+    assert "no message" in gone.stderr
+
+    again = _purge(database_url, "--delivered-older-than", "7d", "--evidence-older-than", "5d")
+    assert (again["messages"], again["attempts"], again["decisions"], again["batches"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def test_purge_refuses_a_bad_age_and_deletes_nothing(database_url: str, topic: str) -> None:
+    """A malformed or zero period is a usage error naming the problem."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, topic=topic, value=b"v")
+    for bad, says in (("7", "is not a duration"), ("0d", "longer than zero"), ("7y", "unit")):
+        result = run_outbox_cli(database_url, "purge", "--delivered-older-than", bad)
+        assert result.returncode == 2
+        assert says in result.stderr
+    assert _count(database_url, "SELECT count(*) FROM outbox.messages") == 1
