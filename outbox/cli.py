@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outbox",
         description="Inspect and maintain the transactional outbox in PostgreSQL.",
+        epilog="Start with `outbox status`: it names what needs you and the next safe action. "
+        "Then `outbox list --state STATE` and `outbox inspect ID`. Exit codes: 0 done and "
+        "nothing needs you; 1 something needs an operator (status, inspect, reconcile); 2 the "
+        "command could not run (the reason is on stderr). `outbox COMMAND --help` for each "
+        "command; the runbook is docs/operations.md.",
     )
     parser.add_argument(
         "--database-url",
