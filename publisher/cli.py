@@ -1,8 +1,10 @@
-"""``outbox-publisher``: settings from flags and environment, signals, logging.
+"""``outbox-publisher``: settings, logging, the HTTP endpoints, signals.
 
-SIGTERM or SIGINT stops claiming; the batch in hand is sent, its outcomes
-are recorded, and the process exits 0. Exit code 2 means the configuration
-was refused (every problem is printed), 1 that the publisher failed.
+Settings come from flags, environment variables and an optional TOML file
+(``publisher.config``). SIGTERM or SIGINT stops claiming; the batch in hand
+is sent, its outcomes are recorded, and the process exits 0. Exit code 2
+means the configuration was refused (every problem is printed), 1 that the
+publisher failed (including an HTTP address it cannot listen on).
 """
 
 from __future__ import annotations
@@ -13,13 +15,25 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 import outbox
-from publisher.config import ConfigError, PublisherConfig
+from publisher.config import (
+    CONFIG_ENV,
+    GROUPS,
+    SETTINGS,
+    ConfigError,
+    PublisherConfig,
+    redact,
+    resolve,
+)
+from publisher.endpoints import EndpointServer
 from publisher.faults import Faults, FaultSpecError
+from publisher.health import KafkaClusterCheck
+from publisher.logs import configure_logging
 from publisher.loop import Publisher
+from publisher.metrics import StatusReader
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
 from publisher.sink import KafkaSink, KafkaSinkConfig
@@ -29,127 +43,65 @@ from publisher.waker import Waker
 log = logging.getLogger("publisher")
 
 
-def _setting(
-    parser: argparse.ArgumentParser, flag: str, kind: type, default: object, help_text: str
-) -> None:
-    """Add ``--flag``, defaulting to ``$OUTBOX_FLAG`` (upper case, '-' -> '_') or ``default``."""
-    env = "OUTBOX_" + flag.removeprefix("--").replace("-", "_").upper()
-    raw = os.environ.get(env)
-    try:
-        value = default if raw is None else kind(raw)
-    except ValueError:
-        parser.error(f"{env}={raw!r} is not a valid {kind.__name__}")
-    shown = "none" if default is None else f"{default:g}" if isinstance(default, float) else default
-    parser.add_argument(
-        flag, type=kind, default=value, help=f"{help_text} (default {shown}) [{env}]"
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
-    d = PublisherConfig(database_url="", kafka_bootstrap="")
+    """Every setting of ``SETTINGS`` as a flag; a flag not given is left out of the result.
+
+    Values stay text here: ``resolve`` converts them, so that a malformed
+    flag is reported with every other problem instead of alone.
+    """
     p = argparse.ArgumentParser(
         prog="outbox-publisher",
-        description="Deliver committed outbox intents from PostgreSQL to Apache Kafka. "
-        "Each flag can also be set with the environment variable in brackets.",
-    )
-    _setting(p, "--database-url", str, None, "PostgreSQL URL")
-    _setting(p, "--kafka-bootstrap", str, None, "Kafka bootstrap servers, host:port[,host:port]")
-    _setting(p, "--batch-size", int, d.batch_size, "messages claimed and sent together")
-    _setting(p, "--lease-seconds", float, d.lease_seconds, "how long a claim is owned")
-    _setting(
-        p,
-        "--poll-interval",
-        float,
-        d.poll_interval,
-        "seconds between claims when no NOTIFY arrives",
-    )
-    _setting(
-        p,
-        "--heartbeat-interval",
-        float,
-        d.heartbeat_interval,
-        "seconds between heartbeats and lease renewals",
-    )
-    _setting(
-        p,
-        "--recovery-interval",
-        float,
-        d.recovery_interval,
-        "seconds between passes that recover expired leases",
-    )
-    _setting(
-        p,
-        "--reconcile-interval",
-        float,
-        d.reconcile_interval,
-        "seconds between reconciliation passes over uncertain messages, 0 for none",
-    )
-    _setting(p, "--delivery-timeout-ms", int, d.delivery_timeout_ms, "producer delivery timeout")
-    _setting(p, "--request-timeout-ms", int, d.request_timeout_ms, "producer request timeout")
-    _setting(p, "--linger-ms", int, d.linger_ms, "producer linger")
-    _setting(p, "--max-block-ms", int, d.max_block_ms, "longest a send or a topic lookup may block")
-    _setting(
-        p,
-        "--retry-base-seconds",
-        float,
-        d.retry_base_seconds,
-        "first retry delay of a message Kafka did not take; doubles per attempt",
-    )
-    _setting(p, "--retry-cap-seconds", float, d.retry_cap_seconds, "longest retry delay")
-    _setting(
-        p,
-        "--max-attempts",
-        int,
-        d.max_attempts,
-        "attempts after which a message Kafka keeps refusing is quarantined",
+        description="Deliver committed outbox intents from PostgreSQL to Apache Kafka.",
+        epilog="Each setting can also be set with the environment variable in brackets or "
+        "in a TOML file (--config), under the flag's name with underscores "
+        "(batch_size = 500). A flag beats its variable, which beats the file, which beats "
+        "the default. See docs/publisher.md.",
     )
     p.add_argument(
-        "--no-auto-create-topics",
-        dest="auto_create_topics",
-        action="store_false",
-        default=os.environ.get("OUTBOX_AUTO_CREATE_TOPICS", "true").lower() not in {"0", "false"},
-        help="never create a missing topic: its messages are quarantined "
-        "[OUTBOX_AUTO_CREATE_TOPICS=false]",
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"read settings from this TOML file [{CONFIG_ENV}]",
     )
-    p.add_argument(
-        "--exit-when-idle",
-        action="store_true",
-        help="exit 0 once nothing is pending, in flight or awaiting reconciliation "
-        "(for scripts and tests)",
-    )
-    p.add_argument(
-        "--log-level",
-        default=os.environ.get("OUTBOX_LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level (default INFO) [OUTBOX_LOG_LEVEL]",
-    )
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    for s in SETTINGS:
+        group = groups[s.group]
+        if s.flag_sets is not None:
+            group.add_argument(
+                s.flag,
+                dest=s.name,
+                action="store_const",
+                const=s.flag_sets,
+                default=argparse.SUPPRESS,
+                help=f"{s.help} [{s.env}={str(s.flag_sets).lower()}]",
+            )
+            continue
+        default = s.default
+        shown = (
+            s.unset
+            if default in (None, "")
+            else f"{default:g}"
+            if isinstance(default, float)
+            else default
+        )
+        group.add_argument(
+            s.flag,
+            dest=s.name,
+            metavar=s.metavar,
+            default=argparse.SUPPRESS,
+            help=f"{s.help} (default {shown}) [{s.env}]",
+        )
     return p
 
 
-def config_from_args(argv: Sequence[str] | None = None) -> tuple[PublisherConfig, str]:
-    """Parse flags and environment into a validated config; also return the log level."""
-    args = _parser().parse_args(argv)
-    config = PublisherConfig(
-        database_url=args.database_url or "",
-        kafka_bootstrap=args.kafka_bootstrap or "",
-        batch_size=args.batch_size,
-        lease_seconds=args.lease_seconds,
-        poll_interval=args.poll_interval,
-        exit_when_idle=args.exit_when_idle,
-        linger_ms=args.linger_ms,
-        delivery_timeout_ms=args.delivery_timeout_ms,
-        request_timeout_ms=args.request_timeout_ms,
-        heartbeat_interval=args.heartbeat_interval,
-        recovery_interval=args.recovery_interval,
-        reconcile_interval=args.reconcile_interval,
-        retry_base_seconds=args.retry_base_seconds,
-        retry_cap_seconds=args.retry_cap_seconds,
-        max_attempts=args.max_attempts,
-        max_block_ms=args.max_block_ms,
-        auto_create_topics=args.auto_create_topics,
-    )
-    config.validate()
-    return config, args.log_level
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> PublisherConfig:
+    """Parse flags, environment and config file into a validated config."""
+    environ = os.environ if environ is None else environ
+    given = vars(_parser().parse_args(argv))
+    config_file = given.pop("config", None) or environ.get(CONFIG_ENV) or None
+    return resolve(given, environ, config_file)
 
 
 def build_publisher(
@@ -187,26 +139,38 @@ def build_publisher(
         faults=faults,
         version=outbox.__version__,
         pid=os.getpid(),
+        status_reader=StatusReader(config.database_url),
+        kafka_check=KafkaClusterCheck(
+            config.kafka_bootstrap, timeout_ms=min(config.request_timeout_ms, 5_000)
+        ),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the publisher until SIGTERM/SIGINT (or idle); return the exit code."""
     try:
-        config, level = config_from_args(argv)
+        config = config_from_args(argv)
         faults = Faults.from_env()
     except (ConfigError, FaultSpecError) as exc:
         print(f"outbox-publisher: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    # kafka-python logs every reconnect at INFO/ERROR; our own lines say what matters.
-    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
-    # ... and an ERROR for every topic it has not seen yet, even where the broker
-    # creates it on first use; a topic that really is missing is reported per message.
-    logging.getLogger("kafka.cluster").setLevel(logging.CRITICAL)
+    configure_logging(config.log_level, config.log_format)
     publisher = build_publisher(config, faults=faults)
+    server = None
+    if config.http_port:
+        try:
+            server = EndpointServer(
+                config.http_host, config.http_port, publisher.metrics.registry, publisher.health
+            )
+        except OSError as exc:
+            log.error(
+                "cannot serve metrics and health on %s:%d: %s (--http-port 0 serves none)",
+                config.http_host,
+                config.http_port,
+                exc.strerror or exc,
+            )
+            return 1
+        server.start()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info(
@@ -215,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         publisher.request_stop()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    log.info(
+        "publisher %s: database %s, Kafka %s",
+        publisher.publisher_id,
+        redact(config.database_url),
+        config.kafka_bootstrap,
+    )
     try:
         publisher.run()
     except Exception:
@@ -223,4 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if server is not None:
+            server.stop()
     return 0

@@ -1,10 +1,32 @@
-"""Publisher settings: defaults, environment variables, flags, and their checks."""
+"""Publisher settings: one declaration each, read from flags, environment, a file, defaults.
+
+Every setting is a field of ``PublisherConfig`` and one ``Setting`` in
+``SETTINGS``; from that one declaration come its flag (``--batch-size``), its
+environment variable (``OUTBOX_BATCH_SIZE``), its key in the TOML config file
+(``batch_size``) and its help line. ``resolve`` merges the sources, a flag
+over its environment variable over the file over the default, and refuses
+the whole configuration with one line per problem, so an operator fixes
+everything in one round instead of one error per start.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import json
+import math
+import tomllib
+from collections.abc import Collection, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from psycopg import ProgrammingError
+from psycopg.conninfo import conninfo_to_dict
 
 from outbox.errors import OutboxError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(OutboxError):
@@ -46,57 +68,425 @@ class PublisherConfig:
     auto_create_topics: bool = True
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
+    #: Address of the metrics and health endpoints.
+    http_host: str = "0.0.0.0"  # noqa: S104 - a sidecar is scraped from outside its container
+    #: Port of the metrics and health endpoints; 0 serves none.
+    http_port: int = 9187
+    log_level: str = "INFO"
+    #: ``text`` for people, ``json`` (one object per line) for log collectors.
+    log_format: str = "text"
 
     @property
     def longest_send_seconds(self) -> float:
         """The longest a batch may wait for the broker before it is given up."""
         return (self.delivery_timeout_ms + self.request_timeout_ms) / 1000
 
-    def validate(self) -> None:  # noqa: PLR0912 - one flat check per setting reads best
+    @property
+    def stall_seconds(self) -> float:
+        """How long the loop may go without a turn before it counts as stuck.
+
+        A turn can legitimately take as long as the longest send, and an idle
+        loop turns at least every poll interval.
+        """
+        return max(3 * self.poll_interval, self.longest_send_seconds + 10)
+
+    def validate(self) -> None:
         """Raise ``ConfigError`` listing every problem, one per line."""
-        problems = []
+        problems = [p.text for p in self.problems()]
+        if problems:
+            raise ConfigError(_heading(problems))
+
+    def problems(self) -> list[Problem]:  # noqa: PLR0912 - one flat check per setting reads best
+        """Every problem of this config, each with the settings it concerns."""
+        problems: list[Problem] = []
+
+        def problem(names: str, text: str) -> None:
+            problems.append(Problem(frozenset(names.split()), text))
+
         if not self.database_url:
-            problems.append("database URL is missing (--database-url or OUTBOX_DATABASE_URL)")
-        elif not self.database_url.startswith(("postgresql://", "postgres://")):
-            problems.append(f"database URL {self.database_url!r} must start with postgresql://")
+            problem(
+                "database_url", "database URL is missing (--database-url or OUTBOX_DATABASE_URL)"
+            )
+        else:
+            url_problem = _database_url_problem(self.database_url)
+            if url_problem:
+                problem("database_url", url_problem)
         if not self.kafka_bootstrap:
-            problems.append(
-                "Kafka bootstrap servers are missing (--kafka-bootstrap or OUTBOX_KAFKA_BOOTSTRAP)"
+            problem(
+                "kafka_bootstrap",
+                "Kafka bootstrap servers are missing (--kafka-bootstrap or OUTBOX_KAFKA_BOOTSTRAP)",
             )
         else:
             for server in self.kafka_bootstrap.split(","):
                 host, _, port = server.strip().rpartition(":")
-                if not host or not port.isdigit():
-                    problems.append(f"Kafka bootstrap server {server!r} is not host:port")
+                if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    problem(
+                        "kafka_bootstrap", f"Kafka bootstrap server {server!r} is not host:port"
+                    )
         if self.batch_size < 1:
-            problems.append(f"batch size must be at least 1, got {self.batch_size}")
+            problem("batch_size", f"batch size must be at least 1, got {self.batch_size}")
         if self.poll_interval <= 0:
-            problems.append(f"poll interval must be positive, got {self.poll_interval}")
+            problem("poll_interval", f"poll interval must be positive, got {self.poll_interval}")
         if self.heartbeat_interval <= 0 or self.heartbeat_interval * 2 > self.lease_seconds:
-            problems.append(
+            problem(
+                "heartbeat_interval lease_seconds",
                 f"heartbeat interval ({self.heartbeat_interval:g}s) must be positive and at most "
-                f"half the lease ({self.lease_seconds:g}s), or leases lapse between renewals"
+                f"half the lease ({self.lease_seconds:g}s), or leases lapse between renewals",
             )
         if self.recovery_interval <= 0:
-            problems.append(f"recovery interval must be positive, got {self.recovery_interval}")
+            problem(
+                "recovery_interval",
+                f"recovery interval must be positive, got {self.recovery_interval}",
+            )
         if self.reconcile_interval < 0:
-            problems.append(
-                f"reconcile interval must be 0 (off) or positive, got {self.reconcile_interval}"
+            problem(
+                "reconcile_interval",
+                f"reconcile interval must be 0 (off) or positive, got {self.reconcile_interval}",
             )
         if self.retry_base_seconds <= 0 or self.retry_cap_seconds < self.retry_base_seconds:
-            problems.append("retry delays need 0 < base <= cap")
+            problem("retry_base_seconds retry_cap_seconds", "retry delays need 0 < base <= cap")
         if self.max_attempts < 1:
-            problems.append(f"max attempts must be at least 1, got {self.max_attempts}")
+            problem("max_attempts", f"max attempts must be at least 1, got {self.max_attempts}")
         if self.delivery_timeout_ms < self.linger_ms + self.request_timeout_ms:
-            problems.append(
+            problem(
+                "delivery_timeout_ms linger_ms request_timeout_ms",
                 "delivery timeout must be at least linger + request timeout "
-                f"({self.delivery_timeout_ms} < {self.linger_ms} + {self.request_timeout_ms} ms)"
+                f"({self.delivery_timeout_ms} < {self.linger_ms} + {self.request_timeout_ms} ms)",
             )
         if self.lease_seconds <= self.longest_send_seconds:
-            problems.append(
+            problem(
+                "lease_seconds delivery_timeout_ms request_timeout_ms",
                 f"lease ({self.lease_seconds:g}s) must be longer than the longest a send can "
                 f"take (delivery + request timeout = {self.longest_send_seconds:g}s), or a "
-                "batch could still be in flight when its lease expires"
+                "batch could still be in flight when its lease expires",
             )
-        if problems:
-            raise ConfigError("invalid publisher configuration:\n  " + "\n  ".join(problems))
+        if not 0 <= self.http_port <= 65535:
+            problem("http_port", f"HTTP port must be 0 (off) or 1-65535, got {self.http_port}")
+        elif self.http_port and not self.http_host.strip():
+            problem("http_host", "HTTP host is empty (use 0.0.0.0 for every interface)")
+        if self.log_level not in LOG_LEVELS:
+            problem(
+                "log_level",
+                f"log level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}",
+            )
+        if self.log_format not in LOG_FORMATS:
+            problem(
+                "log_format",
+                f"log format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}",
+            )
+        return problems
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One reason a configuration is refused, and the settings it concerns."""
+
+    fields: frozenset[str]
+    text: str
+
+
+def _heading(problems: Collection[str]) -> str:
+    return "invalid publisher configuration:\n  " + "\n  ".join(problems)
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ``***``, fit for logs and error messages."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    if not password:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{password}@", ":***@", 1)).geturl()
+
+
+def _database_url_problem(url: str) -> str | None:
+    shown = redact(url)
+    if not url.startswith(("postgresql://", "postgres://")):
+        return f"database URL {shown!r} must start with postgresql://"
+    try:
+        parts = conninfo_to_dict(url)
+    except ProgrammingError as exc:
+        return f"database URL {shown!r} does not parse: {str(exc).strip()}"
+    ports = str(parts.get("port") or "5432").split(",")
+    if not all(p.isdigit() and 0 < int(p) < 65536 for p in ports):
+        return f"database URL {shown!r} has an invalid port {parts.get('port')!r}"
+    return None
+
+
+# --- the settings, declared once -------------------------------------------------
+
+#: Headings of ``--help``, in order.
+GROUPS = (
+    "connections",
+    "batches and leases",
+    "recovery and reconciliation",
+    "retries",
+    "Kafka producer",
+    "metrics and health over HTTP",
+    "logs",
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: a ``PublisherConfig`` field, and from its name the flag, variable and key."""
+
+    name: str
+    kind: type
+    help: str
+    group: str
+    #: A flag other than ``--name-with-dashes`` (``--no-auto-create-topics``).
+    flag_name: str | None = None
+    #: For a boolean, the value its flag sets (the flag takes no argument).
+    flag_sets: bool | None = None
+    #: Values shown in its error messages are redacted (they may hold a password).
+    secret: bool = False
+    #: Shown as the default in ``--help`` when the default is empty.
+    unset: str = ""
+    metavar: str | None = None
+    #: Normalises text values (``info`` -> ``INFO``).
+    normalise: str = field(default="", repr=False)
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag."""
+        return self.flag_name or "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """The environment variable."""
+        return "OUTBOX_" + self.name.upper()
+
+    @property
+    def key(self) -> str:
+        """The key in the config file."""
+        return self.name
+
+    @property
+    def default(self) -> object:
+        """The default value, from ``PublisherConfig``."""
+        return _DEFAULTS[self.name]
+
+
+_DEFAULTS: dict[str, object] = {
+    f.name: (None if f.default is MISSING else f.default) for f in fields(PublisherConfig)
+}
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("database_url", str, "PostgreSQL URL, postgresql://user:password@host:port/dbname",
+            "connections", secret=True, unset="none", metavar="URL"),
+    Setting("kafka_bootstrap", str, "Kafka bootstrap servers, host:port[,host:port...]",
+            "connections", unset="none", metavar="SERVERS"),
+    Setting("batch_size", int, "messages claimed, sent and confirmed together",
+            "batches and leases", metavar="N"),
+    Setting("lease_seconds", float, "how long a claim is owned; must exceed delivery + request "
+            "timeout", "batches and leases", metavar="SECONDS"),
+    Setting("poll_interval", float, "longest wait between claims when no NOTIFY arrives",
+            "batches and leases", metavar="SECONDS"),
+    Setting("heartbeat_interval", float, "seconds between heartbeats and lease renewals; at most "
+            "half the lease", "batches and leases", metavar="SECONDS"),
+    Setting("exit_when_idle", bool, "exit 0 once nothing is pending, in flight or awaiting "
+            "reconciliation (for scripts and tests)", "batches and leases", flag_sets=True),
+    Setting("recovery_interval", float, "seconds between passes that recover expired leases",
+            "recovery and reconciliation", metavar="SECONDS"),
+    Setting("reconcile_interval", float, "seconds between reconciliation passes over uncertain "
+            "messages; 0 for none", "recovery and reconciliation", metavar="SECONDS"),
+    Setting("retry_base_seconds", float, "first retry delay of a message Kafka did not take; "
+            "doubles per attempt", "retries", metavar="SECONDS"),
+    Setting("retry_cap_seconds", float, "longest retry delay", "retries", metavar="SECONDS"),
+    Setting("max_attempts", int, "attempts after which a message Kafka keeps refusing is "
+            "quarantined", "retries", metavar="N"),
+    Setting("delivery_timeout_ms", int, "producer delivery timeout", "Kafka producer",
+            metavar="MS"),
+    Setting("request_timeout_ms", int, "producer request timeout", "Kafka producer", metavar="MS"),
+    Setting("linger_ms", int, "producer linger", "Kafka producer", metavar="MS"),
+    Setting("max_block_ms", int, "longest a send or a topic lookup may block", "Kafka producer",
+            metavar="MS"),
+    Setting("auto_create_topics", bool, "never create a missing topic: its messages are "
+            "quarantined (TopicMissing)", "Kafka producer", flag_name="--no-auto-create-topics",
+            flag_sets=False),
+    Setting("http_host", str, "address of /metrics, /healthz and /readyz", "metrics and health "
+            "over HTTP", metavar="HOST"),
+    Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",
+            "metrics and health over HTTP", metavar="PORT"),
+    Setting("log_level", str, "DEBUG, INFO, WARNING or ERROR", "logs", normalise="upper",
+            metavar="LEVEL"),
+    Setting("log_format", str, "text, or json for one JSON object per line", "logs",
+            normalise="lower", metavar="FORMAT"),
+)  # fmt: skip
+
+#: The environment variable naming the config file (its flag is ``--config``).
+CONFIG_ENV = "OUTBOX_CONFIG"
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class _BadValue(Exception):
+    """A value of the wrong type or form; the message says what was expected."""
+
+
+def _from_text(setting: Setting, raw: str) -> object:
+    """Convert a flag or environment value."""
+    kind = setting.kind
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise _BadValue("expected true or false")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise _BadValue("expected an integer") from None
+    if kind is float:
+        try:
+            number = float(text)
+        except ValueError:
+            raise _BadValue("expected a number") from None
+        if not math.isfinite(number):
+            raise _BadValue("expected a finite number")
+        return number
+    return _normalised(setting, raw)
+
+
+def _from_file(setting: Setting, value: object) -> object:
+    """Check a value read from TOML, which is already typed."""
+    kind = setting.kind
+    # bool is an int in Python, but `batch_size = true` is a mistake.
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise _BadValue("expected a finite number")
+        return float(value)
+    if kind is str and isinstance(value, str):
+        return _normalised(setting, value)
+    raise _BadValue(f"is {_toml_kind(value)}, expected {_KIND_NAMES[kind]}")
+
+
+def _normalised(setting: Setting, value: str) -> str:
+    if setting.normalise == "upper":
+        return value.strip().upper()
+    if setting.normalise == "lower":
+        return value.strip().lower()
+    return value.strip()
+
+
+#: What a TOML value is, in words; bool first, since a TOML boolean is a Python int too.
+_TOML_KINDS: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "a table"),
+)
+
+
+def _toml_kind(value: object) -> str:
+    return next((name for kind, name in _TOML_KINDS if isinstance(value, kind)), "a value")
+
+
+def _toml_repr(value: object) -> str:
+    if isinstance(value, str | bool | int | float):
+        return json.dumps(value)
+    return "[...]" if isinstance(value, list) else "{...}"
+
+
+def _shown(setting: Setting, value: str) -> str:
+    return repr(redact(value) if setting.secret else value)
+
+
+_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+@dataclass
+class ConfigFile:
+    """What a TOML config file says: settings by name, and what is wrong with it."""
+
+    values: dict[str, object] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    #: Settings whose value in the file was refused.
+    refused: set[str] = field(default_factory=set)
+
+
+def read_config_file(path: str) -> ConfigFile:
+    """The settings of a TOML file by name, and the problems found in it.
+
+    An unknown key is a problem (with the closest known key as a suggestion):
+    a misspelt setting that is silently ignored is worse than a refusal.
+    """
+    try:
+        with Path(path).open("rb") as f:
+            document = tomllib.load(f)
+    except OSError as exc:
+        return ConfigFile(problems=[f"config file {path}: cannot be read: {exc.strerror or exc}"])
+    except tomllib.TOMLDecodeError as exc:
+        return ConfigFile(problems=[f"config file {path}: not valid TOML: {exc}"])
+    result = ConfigFile()
+    values, problems = result.values, result.problems
+    for key, value in document.items():
+        setting = _BY_KEY.get(key)
+        if setting is None:
+            close = difflib.get_close_matches(key, list(_BY_KEY), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"config file {path}: unknown key {key!r}{hint}")
+            continue
+        try:
+            values[setting.name] = _from_file(setting, value)
+        except _BadValue as exc:
+            shown = '"***"' if setting.secret else _toml_repr(value)
+            problems.append(f"config file {path}: {key} = {shown} {exc}")
+            result.refused.add(setting.name)
+    return result
+
+
+def resolve(
+    flags: Mapping[str, str | bool],
+    environ: Mapping[str, str],
+    config_file: str | None = None,
+) -> PublisherConfig:
+    """Merge the sources, flag > environment > file > default, and validate the result.
+
+    ``flags`` holds only the flags given, by setting name, as text (or the
+    value a boolean flag sets). An empty environment variable counts as
+    unset. Raises ``ConfigError`` with every problem, one per line: values
+    of the wrong type or form from any source, unknown file keys, and what
+    ``PublisherConfig.problems`` finds in the merged result.
+    """
+    file = read_config_file(config_file) if config_file else ConfigFile()
+    from_file = file.values
+    problems = list(file.problems)
+    values: dict[str, object] = {}
+    bad = set(file.refused)
+    for s in SETTINGS:
+        try:
+            if s.name in flags:
+                raw = flags[s.name]
+                values[s.name] = raw if isinstance(raw, bool) else _from_text(s, raw)
+            elif environ.get(s.env, "").strip():
+                values[s.name] = _from_text(s, environ[s.env])
+            elif s.name in from_file:
+                values[s.name] = from_file[s.name]
+        except _BadValue as exc:
+            source = f"{s.flag}" if s.name in flags else s.env
+            raw_text = str(flags.get(s.name, environ.get(s.env, "")))
+            problems.append(f"{source}={_shown(s, raw_text)}: {exc}")
+            bad.add(s.name)
+    # A setting whose value was refused is judged no further: its default
+    # stands in, and checks that concern it would only repeat the problem.
+    values.setdefault("database_url", "")
+    values.setdefault("kafka_bootstrap", "")
+    config = PublisherConfig(**values)  # type: ignore[arg-type]  # typed by each Setting.kind
+    problems += [p.text for p in config.problems() if not p.fields & bad]
+    if problems:
+        raise ConfigError(_heading(problems))
+    return config

@@ -5,7 +5,9 @@ A background thread, on a connection of its own, updates
 this publisher holds that would expire within half a lease, and keeps its
 fair share of lanes (``publisher.lanes``). It renews message leases only
 while the publisher loop reports progress: a loop that is stuck must lose its
-leases, so that recovery can move its messages on.
+leases, so that recovery can move its messages on. Each beat also tells the
+publisher's health whether the database answered, so an idle publisher
+still notices a database that went away.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from publisher.health import Contact
 from publisher.lanes import LaneKeeper
 from publisher.store import PublisherStore
 
@@ -33,8 +36,10 @@ class Heartbeat:
         lease_seconds: float,
         progressing: Callable[[], bool],
         lanes: LaneKeeper | None = None,
+        database: Contact | None = None,
     ) -> None:
         self._store = store
+        self._database = database
         self.lanes = lanes
         self._interval = interval
         self._lease_seconds = lease_seconds
@@ -76,4 +81,9 @@ class Heartbeat:
                 self.beat()
             except psycopg.Error as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
+                if self._database is not None and isinstance(exc, psycopg.OperationalError):
+                    self._database.failed(exc)
                 self._store.close()
+            else:
+                if self._database is not None:
+                    self._database.succeeded()

@@ -15,6 +15,9 @@ One iteration (``run_once``) is the whole state machine of a batch:
 ``run`` repeats it; between batches it recovers expired leases and
 reconciles uncertain messages at their intervals, and sleeps on NOTIFY or
 the poll interval when there is nothing to do, until ``request_stop``.
+
+As it goes, the loop counts what it does in ``metrics`` and tells ``health``
+whether PostgreSQL and Kafka answered and that it is still moving.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 from kafka import errors as kafka_errors
@@ -33,11 +37,21 @@ from outbox.intent import ID_HEADER
 from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.faults import Faults
+from publisher.health import Health, KafkaProbe
 from publisher.heartbeat import Heartbeat
 from publisher.lanes import LaneKeeper
-from publisher.outcomes import ATTEMPT_OUTCOME, NEXT_STATE, SendOutcome, classify, retry_delay
+from publisher.logs import MessageLog
+from publisher.metrics import PublisherMetrics, StatusRead, StatusReader
+from publisher.outcomes import (
+    ATTEMPT_OUTCOME,
+    NEXT_STATE,
+    SendOutcome,
+    TopicMissing,
+    classify,
+    retry_delay,
+)
 from publisher.partitioning import partition_for
-from publisher.reconciler import Reconciler
+from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.sink import OutgoingRecord, SendReport, Sink
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
@@ -76,6 +90,9 @@ class Publisher:
         version: str = "dev",
         pid: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        status_reader: StatusRead | None = None,
+        kafka_check: Callable[[], None] | None = None,
+        kafka_probe_interval: float = 10.0,
     ) -> None:
         self.config = config
         self.store = store
@@ -91,6 +108,26 @@ class Publisher:
         self._progress_at = clock()
         self._next_recovery = 0.0
         self._next_reconcile = 0.0
+        #: Failure class of each message of the batch in hand that was not delivered.
+        self._failure_class: dict[uuid.UUID, str] = {}
+        #: What ``/healthz`` and ``/readyz`` answer from.
+        self.health = Health(
+            stall_seconds=config.stall_seconds,
+            # A settle may retry through a database outage for a whole lease.
+            alive_seconds=config.stall_seconds + config.lease_seconds,
+            clock=clock,
+        )
+        #: Prometheus metrics of this publisher, on a registry of its own.
+        self.metrics = PublisherMetrics(self.health)
+        self.metrics.info.labels(str(self.publisher_id), version).set(1)
+        self._status_reader = status_reader
+        if status_reader is not None:
+            self.metrics.watch_status(status_reader)
+        self._kafka_probe = (
+            KafkaProbe(self.health.kafka, kafka_check, interval=kafka_probe_interval)
+            if kafka_check is not None
+            else None
+        )
         self.heartbeat = (
             Heartbeat(
                 heartbeat_store,
@@ -98,6 +135,7 @@ class Publisher:
                 lease_seconds=config.lease_seconds,
                 progressing=self._progressing,
                 lanes=LaneKeeper(heartbeat_store, config.lease_seconds),
+                database=self.health.database,
             )
             if heartbeat_store is not None
             else None
@@ -111,6 +149,7 @@ class Publisher:
     def request_stop(self) -> None:
         """Stop claiming; the batch in hand is finished and settled first."""
         self._stopping.set()
+        self.health.stopping = True
         self.waker.wake()
 
     @property
@@ -120,11 +159,16 @@ class Publisher:
 
     def run(self) -> Totals:
         """Deliver until stopped (or idle, with ``exit_when_idle``); return the totals."""
+        if self._kafka_probe is not None:
+            self._kafka_probe.start()
         self.store.register(self._version, self._pid)
+        self.health.database.succeeded()
+        self.health.registered = True
         self.waker.start()
         if self.heartbeat is not None:
             self.heartbeat.beat()  # take a share of the lanes before the first claim
             self.heartbeat.start()
+        self.health.loop_started()
         log.info(
             "publisher %s started (batch %d, lease %gs, poll %gs)",
             self.publisher_id,
@@ -134,13 +178,17 @@ class Publisher:
         )
         try:
             while not self._stopping.is_set():
+                self.health.loop_turned()
                 try:
                     self.maintain()
                     if self.run_once():
+                        self.health.database.succeeded()
                         continue
                     wait = self._idle_wait()
+                    self.health.database.succeeded()
                 except psycopg.OperationalError as exc:
                     log.warning("database unavailable (%s); retrying", exc)
+                    self.health.database.failed(exc)
                     self.store.close()
                     wait = self.config.poll_interval
                 if wait is None:
@@ -167,9 +215,15 @@ class Publisher:
         return t
 
     def _shut_down(self) -> None:
+        self.health.loop_ended()
+        self.health.registered = False
         self.waker.stop()
+        if self._kafka_probe is not None:
+            self._kafka_probe.stop()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if isinstance(self._status_reader, StatusReader):
+            self._status_reader.close()
         self.sink.close()
         if self.reconciler is not None:
             self.reconciler.scanner.close()
@@ -183,6 +237,8 @@ class Publisher:
 
     def run_once(self) -> int:
         """Claim, send and settle one batch; return how many messages it claimed."""
+        started = self._clock()
+        self._failure_class.clear()
         batch = self.store.claim(self.config.batch_size, self.config.lease_seconds)
         if batch is None:
             return 0
@@ -194,34 +250,19 @@ class Publisher:
         settlements = self._send(batch)
         self.faults.reached("after_ack")
         self._settle(batch, settlements)
+        self.metrics.batch_seconds.observe(max(self._clock() - started, 0.0))
         self.faults.reached("after_confirm")
         return len(batch.messages)
 
     def _send(self, batch: Batch) -> list[Settlement]:
         """Send what this publisher still holds of the batch; one settlement per message."""
-        counts: dict[str, int] = {}
-        refused: dict[uuid.UUID, Settlement] = {}
-        for topic in {m.topic for m in batch.messages}:
-            try:
-                counts[topic] = self.sink.partition_count(topic)
-            except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
-                report = SendReport(None, None, exc, handed_to_producer=False)
-                for m in batch.messages:
-                    if m.topic == topic:
-                        refused[m.id] = self._settlement(m, report, None)
+        counts, refused = self._describe_topics(batch)
         sendable = [m for m in batch.messages if m.id not in refused]
         held = {m.id for m in batch.messages}
         if sendable:
             held = self.store.mark_sending(batch, counts, self.config.longest_send_seconds)
             self._progress()
-            lost = len(batch.messages) - len(held)
-            if lost:
-                log.warning(
-                    "batch %d: %d messages were recovered before sending began; not sent",
-                    batch.id,
-                    lost,
-                )
-                self.totals.stale += lost
+            self._count_lost_before_sending(batch, held)
             sendable = [m for m in sendable if m.id in held]
         records = [
             OutgoingRecord(
@@ -236,7 +277,8 @@ class Publisher:
         ]
         alone = {m.id for m in sendable if m.send_alone}
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
-        sent = self._send_in_order(records, alone, keys)
+        created = {m.id: m.created_at for m in sendable}
+        sent = self._send_in_order(records, alone, keys, created)
         suspects = _shared_refusals(sent)
         settlements = []
         to_send = {r.message_id for r in records}
@@ -252,11 +294,49 @@ class Publisher:
                 )
         return settlements
 
+    def _describe_topics(self, batch: Batch) -> tuple[dict[str, int], dict[uuid.UUID, Settlement]]:
+        """Each topic's partition count; the settlements of messages whose topic failed it."""
+        counts: dict[str, int] = {}
+        refused: dict[uuid.UUID, Settlement] = {}
+        for topic in {m.topic for m in batch.messages}:
+            try:
+                counts[topic] = self.sink.partition_count(topic)
+                self.health.kafka.succeeded()
+            except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
+                if isinstance(exc, TopicMissing):
+                    self.health.kafka.succeeded()  # the broker answered: no such topic
+                else:
+                    self.health.kafka.failed(exc)
+                report = SendReport(None, None, exc, handed_to_producer=False)
+                for m in batch.messages:
+                    if m.topic == topic:
+                        refused[m.id] = self._settlement(m, report, None)
+        return counts, refused
+
+    def _count_lost_before_sending(self, batch: Batch, held: set[uuid.UUID]) -> None:
+        """Messages recovered by another publisher before this one began sending them."""
+        lost = [m for m in batch.messages if m.id not in held]
+        if not lost:
+            return
+        log.warning(
+            "batch %d: %d messages were recovered before sending began; not sent",
+            batch.id,
+            len(lost),
+            extra={"batch_id": batch.id},
+        )
+        for m in lost:
+            self._message_log(m, batch.id).info(
+                "recovered by another publisher before sending began; not sent"
+            )
+        self.totals.stale += len(lost)
+        self.metrics.lease_losses.labels("before_send").inc(len(lost))
+
     def _send_in_order(
         self,
         records: list[OutgoingRecord],
         alone: set[uuid.UUID],
         keys: dict[uuid.UUID, tuple[str, bytes]],
+        created: dict[uuid.UUID, datetime | None] | None = None,
     ) -> dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]:
         """Send the records in order, those in ``alone`` one by one; report on those sent."""
         sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]] = {}
@@ -272,6 +352,7 @@ class Publisher:
             self.faults.reached("after_send")
             reports = self.sink.complete(in_flight)
             self._progress()
+            self._observe_acks(group, reports, created or {})
             for r, report in zip(group, reports, strict=True):
                 sent[r.message_id] = (r, report)
                 if report.error is not None and r.message_id in keys:
@@ -284,6 +365,33 @@ class Publisher:
                 self.sink.discard_producer()
         return sent
 
+    def _observe_acks(
+        self,
+        records: Sequence[OutgoingRecord],
+        reports: Sequence[SendReport],
+        created: dict[uuid.UUID, datetime | None],
+    ) -> None:
+        """Commit-to-acknowledgement latencies, and whether Kafka answered at all."""
+        acked_at = time.time()
+        answered = False
+        failure: BaseException | None = None
+        for r, report in zip(records, reports, strict=True):
+            if report.error is None:
+                answered = True
+                committed = created.get(r.message_id)
+                if committed is not None:
+                    self.metrics.commit_to_ack_seconds.observe(
+                        max(acked_at - committed.timestamp(), 0.0)
+                    )
+            elif _refused_by_broker(report):
+                answered = True
+            else:
+                failure = failure or report.error
+        if answered:
+            self.health.kafka.succeeded()
+        elif failure is not None:
+            self.health.kafka.failed(failure)
+
     def _settlement(
         self,
         m: ClaimedMessage,
@@ -294,15 +402,18 @@ class Publisher:
     ) -> Settlement:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
         error = None if report.error is None else f"{type(report.error).__name__}: {report.error}"
+        failure_class = outcome.value
         if shared:
             # Refused together with other records of its partition: the
             # refusal cannot be pinned on it, and records already on the wire
             # may have been written. Uncertain; its next attempt goes alone.
             outcome = SendOutcome.UNCERTAIN
+            failure_class = outcome.value
             error = f"refused together with other records, not attributable: {error}"
         retry_after = 0.0
         if outcome is SendOutcome.NOT_WRITTEN and m.failures + 1 >= self.config.max_attempts:
             outcome = SendOutcome.NON_RETRIABLE
+            failure_class = "attempts_exhausted"
             error = f"gave up after {m.failures + 1} attempts; last: {error}"
         elif outcome is SendOutcome.NOT_WRITTEN:
             retry_after = retry_delay(
@@ -310,6 +421,8 @@ class Publisher:
                 base_seconds=self.config.retry_base_seconds,
                 cap_seconds=self.config.retry_cap_seconds,
             )
+        if outcome is not SendOutcome.CONFIRMED:
+            self._failure_class[m.id] = failure_class
         return Settlement(
             message_id=m.id,
             fence=m.fence,
@@ -341,8 +454,10 @@ class Publisher:
         while True:
             try:
                 changed = self.store.settle(batch, settlements)
+                self.health.database.succeeded()
                 break
             except psycopg.OperationalError as exc:
+                self.health.database.failed(exc)
                 self.store.close()
                 if self._clock() + delay > deadline:
                     log.error(
@@ -352,37 +467,61 @@ class Publisher:
                         exc,
                     )
                     raise
-                log.warning("recording a batch failed (%s); retrying in %.1fs", exc, delay)
+                log.warning(
+                    "recording a batch failed (batch %d: %s); retrying in %.1fs",
+                    batch.id,
+                    exc,
+                    delay,
+                    extra={"batch_id": batch.id},
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self._progress()
-        self._count(settlements, changed)
+        self._count(batch, settlements, changed)
 
-    def _count(self, settlements: list[Settlement], changed: set[uuid.UUID]) -> None:
+    def _count(self, batch: Batch, settlements: list[Settlement], changed: set[uuid.UUID]) -> None:
         t = self.totals
+        m = self.metrics
         t.batches += 1
+        m.batches.inc()
+        claimed = {c.id: c for c in batch.messages}
+        delivered = False
         for s in settlements:
+            message = claimed[s.message_id]
+            mlog = self._message_log(message, batch.id)
+            failure_class = self._failure_class.get(s.message_id)
             if s.message_id not in changed:
                 t.stale += 1
-                log.warning(
-                    "message %s: fence %d is stale, the outcome %s changed nothing",
-                    s.message_id,
-                    s.fence,
+                m.lease_losses.labels("at_settle").inc()
+                mlog.warning(
+                    "fence is stale (the lease was taken over), the outcome %s changed nothing",
                     s.attempt_outcome,
                 )
-            elif s.state is State.DELIVERED:
+                continue
+            if failure_class is not None:
+                m.failures.labels(message.topic, failure_class).inc()
+            if s.state is State.DELIVERED:
                 t.delivered += 1
+                m.deliveries.labels(message.topic).inc()
+                delivered = True
             elif s.attempt_outcome == "abandoned":
                 t.released += 1
             elif s.state is State.PENDING:
                 t.retried += 1
-                log.warning("message %s attempt failed, will retry: %s", s.message_id, s.error)
+                mlog.warning("not written, will retry: %s", s.error)
             elif s.state is State.UNCERTAIN:
                 t.uncertain += 1
-                log.error("message %s outcome unknown, marked uncertain: %s", s.message_id, s.error)
+                m.uncertain_found.labels("send").inc()
+                mlog.error("outcome unknown, marked uncertain: %s", s.error)
             elif s.state is State.QUARANTINED:
                 t.quarantined += 1
-                log.error("message %s quarantined: %s", s.message_id, s.error)
+                mlog.error("quarantined: %s", s.error)
+        if delivered:
+            m.last_delivery_time.set_to_current_time()
+
+    @staticmethod
+    def _message_log(m: ClaimedMessage, batch_id: int) -> MessageLog:
+        return MessageLog(log, m.id, attempt=m.attempt, fence=m.fence, batch_id=batch_id)
 
     # --- between batches ------------------------------------------------------
 
@@ -395,15 +534,28 @@ class Publisher:
             if moved:
                 self.totals.recovered += len(moved)
                 for message_id, state in moved.items():
-                    log.warning("message %s: lease expired, moved to %s", message_id, state.value)
+                    self.metrics.recovered.labels(state.value).inc()
+                    if state is State.UNCERTAIN:
+                        self.metrics.uncertain_found.labels("recovery").inc()
+                    MessageLog(log, message_id).warning("lease expired, moved to %s", state.value)
         if self.reconciler is not None and (force or now >= self._next_reconcile):
             self._next_reconcile = now + self.config.reconcile_interval
             try:
                 report = self.reconciler.run_once()
             except kafka_errors.KafkaError as exc:
+                self.health.kafka.failed(exc)
                 log.warning("reconciliation postponed, Kafka unavailable: %s", exc)
             else:
-                self.totals.reconciled += report.decided
+                self._count_reconciled(report)
+
+    def _count_reconciled(self, report: ReconcileReport) -> None:
+        self.totals.reconciled += report.decided
+        resolved = self.metrics.uncertain_resolved
+        resolved.labels("delivered").inc(len(report.delivered))
+        resolved.labels("pending").inc(len(report.pending))
+        resolved.labels("escalated").inc(len(report.escalated))
+        if report.decided or report.deferred:
+            self.health.kafka.succeeded()  # the scanner read from the broker
 
     def _idle_wait(self) -> float | None:
         """Seconds to sleep when a claim found nothing; ``None`` to exit when idle."""
@@ -423,6 +575,7 @@ class Publisher:
 
     def _progress(self) -> None:
         self._progress_at = self._clock()
+        self.health.loop_turned()
 
     def _progressing(self) -> bool:
         """Whether the loop moved recently enough for its leases to be renewed."""

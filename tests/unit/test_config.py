@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from outbox.errors import OutboxError
-from publisher.config import ConfigError, PublisherConfig
+from publisher.cli import config_from_args
+from publisher.config import SETTINGS, ConfigError, PublisherConfig
 
 VALID = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
 
@@ -114,3 +116,248 @@ def test_longest_send_is_delivery_plus_request_timeout() -> None:
     """The longest a send may take is delivery timeout plus request timeout, in seconds."""
     config = replace(VALID, delivery_timeout_ms=30_000, request_timeout_ms=10_000)
     assert config.longest_send_seconds == 40.0
+
+
+# --- sources: flags, environment, config file, defaults ---------------------------
+
+BASE_ENV = {"OUTBOX_DATABASE_URL": "postgresql://db/app", "OUTBOX_KAFKA_BOOTSTRAP": "k:9092"}
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "publisher.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _refusal(argv: list[str], environ: dict[str, str]) -> list[str]:
+    """The problem lines of the ConfigError that ``config_from_args`` raises."""
+    with pytest.raises(ConfigError) as caught:
+        config_from_args(argv, environ)
+    return _problems(caught.value)
+
+
+def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_default(
+    tmp_path: Path,
+) -> None:
+    """Each of four settings is taken from the strongest source that sets it."""
+    path = _write(
+        tmp_path,
+        "batch_size = 11\nlinger_ms = 12\nmax_attempts = 13\n",
+    )
+    env = {**BASE_ENV, "OUTBOX_BATCH_SIZE": "21", "OUTBOX_LINGER_MS": "22"}
+    config = config_from_args(["--config", path, "--batch-size", "31"], env)
+    assert config.batch_size == 31  # flag over environment and file
+    assert config.linger_ms == 22  # environment over file
+    assert config.max_attempts == 13  # file over default
+    assert config.poll_interval == PublisherConfig.poll_interval  # default
+    assert config.database_url == "postgresql://db/app"
+
+
+def test_the_config_file_can_be_named_by_the_environment(tmp_path: Path) -> None:
+    """OUTBOX_CONFIG names the file when --config is not given; every kind of value is read."""
+    path = _write(
+        tmp_path,
+        'database_url = "postgresql://from-file/app"\n'
+        'kafka_bootstrap = "a:1,b:2"\n'
+        "lease_seconds = 90\n"
+        "auto_create_topics = false\n"
+        'log_format = "JSON"\n'
+        "http_port = 0\n",
+    )
+    config = config_from_args([], {"OUTBOX_CONFIG": path})
+    assert config.database_url == "postgresql://from-file/app"
+    assert config.kafka_bootstrap == "a:1,b:2"
+    assert config.lease_seconds == 90.0
+    assert isinstance(config.lease_seconds, float)
+    assert config.auto_create_topics is False
+    assert config.log_format == "json"
+    assert config.http_port == 0
+
+
+def test_boolean_flags_beat_the_environment() -> None:
+    """--no-auto-create-topics and --exit-when-idle win over what the environment says."""
+    env = {**BASE_ENV, "OUTBOX_AUTO_CREATE_TOPICS": "true", "OUTBOX_EXIT_WHEN_IDLE": "no"}
+    config = config_from_args(["--no-auto-create-topics", "--exit-when-idle"], env)
+    assert (config.auto_create_topics, config.exit_when_idle) == (False, True)
+    config = config_from_args([], {**env, "OUTBOX_AUTO_CREATE_TOPICS": "0"})
+    assert (config.auto_create_topics, config.exit_when_idle) == (False, False)
+
+
+def test_an_empty_environment_variable_counts_as_unset() -> None:
+    """OUTBOX_BATCH_SIZE= (empty, as compose files often leave it) falls back to the default."""
+    config = config_from_args([], {**BASE_ENV, "OUTBOX_BATCH_SIZE": ""})
+    assert config.batch_size == PublisherConfig.batch_size
+
+
+def test_an_unknown_key_in_the_file_is_named_with_the_closest_known_key(tmp_path: Path) -> None:
+    """A misspelt key is refused, with a suggestion, instead of being silently ignored."""
+    path = _write(tmp_path, "batch_sise = 10\nfrobnicate = true\n")
+    problems = _refusal(["--config", path], BASE_ENV)
+    assert problems == [
+        f"config file {path}: unknown key 'batch_sise' (did you mean 'batch_size'?)",
+        f"config file {path}: unknown key 'frobnicate'",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('batch_size = "500"', 'batch_size = "500" is a string, expected an integer'),
+        ("batch_size = 1.5", "batch_size = 1.5 is a float, expected an integer"),
+        ("batch_size = true", "batch_size = true is a boolean, expected an integer"),
+        ("poll_interval = false", "poll_interval = false is a boolean, expected a number"),
+        ('exit_when_idle = "yes"', 'exit_when_idle = "yes" is a string, expected true or false'),
+        ("http_host = [1]", "http_host = [...] is an array, expected a string"),
+    ],
+)
+def test_a_value_of_the_wrong_type_in_the_file_names_key_value_and_type(
+    tmp_path: Path, line: str, expected: str
+) -> None:
+    """A file value of the wrong TOML type is one problem line: key, value, what was expected."""
+    path = _write(tmp_path, line + "\n")
+    assert _refusal(["--config", path], BASE_ENV) == [f"config file {path}: {expected}"]
+
+
+def test_integers_are_accepted_where_numbers_are_expected(tmp_path: Path) -> None:
+    """poll_interval = 2 is as good as 2.0."""
+    path = _write(tmp_path, "poll_interval = 2\n")
+    assert config_from_args(["--config", path], BASE_ENV).poll_interval == 2.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {"OUTBOX_BATCH_SIZE": "lots"}, "OUTBOX_BATCH_SIZE='lots': expected an integer"),
+        ([], {"OUTBOX_POLL_INTERVAL": "1s"}, "OUTBOX_POLL_INTERVAL='1s': expected a number"),
+        ([], {"OUTBOX_POLL_INTERVAL": "nan"}, "expected a finite number"),
+        ([], {"OUTBOX_EXIT_WHEN_IDLE": "maybe"}, "OUTBOX_EXIT_WHEN_IDLE='maybe': expected true"),
+        (["--batch-size", "x"], {}, "--batch-size='x': expected an integer"),
+        (["--http-port", "80.5"], {}, "--http-port='80.5': expected an integer"),
+    ],
+)
+def test_a_malformed_flag_or_variable_is_a_problem_line_not_a_crash(
+    argv: list[str], env: dict[str, str], expected: str
+) -> None:
+    """Malformed values from flags and variables are reported like every other problem."""
+    problems = _refusal(argv, {**BASE_ENV, **env})
+    assert len(problems) == 1, problems
+    assert expected in problems[0]
+
+
+def test_a_refused_value_adds_no_second_problem_about_the_same_setting(tmp_path: Path) -> None:
+    """database_url = 5 is reported as the wrong type only, not also as a missing URL."""
+    path = _write(tmp_path, 'database_url = 5\nkafka_bootstrap = "k:1"\n')
+    assert _refusal(["--config", path], {}) == [
+        f'config file {path}: database_url = "***" is an integer, expected a string'
+    ]
+
+
+def test_problems_from_every_source_are_listed_together(tmp_path: Path) -> None:
+    """A bad file key, a bad variable and an impossible combination all come in one refusal."""
+    path = _write(tmp_path, "lease_secs = 5\n")
+    problems = _refusal(
+        ["--config", path, "--lease-seconds", "5"], {**BASE_ENV, "OUTBOX_LINGER_MS": "soon"}
+    )
+    assert len(problems) == 4, problems
+    assert any("unknown key 'lease_secs' (did you mean 'lease_seconds'?)" in p for p in problems)
+    assert any("OUTBOX_LINGER_MS='soon'" in p for p in problems)
+    assert any("lease (5s) must be longer than the longest a send can take" in p for p in problems)
+    assert any("at most half the lease (5s)" in p for p in problems)
+
+
+def test_a_missing_or_broken_config_file_is_a_problem(tmp_path: Path) -> None:
+    """A file that cannot be read or is not TOML is named, with the reason."""
+    missing = str(tmp_path / "nowhere.toml")
+    assert _refusal(["--config", missing], BASE_ENV) == [
+        f"config file {missing}: cannot be read: No such file or directory"
+    ]
+    broken = _write(tmp_path, "batch_size = = 3\n")
+    (problem,) = _refusal(["--config", broken], BASE_ENV)
+    assert problem.startswith(f"config file {broken}: not valid TOML: ")
+    assert "line 1" in problem
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("postgresql://h/db?foo=bar", "does not parse: invalid URI query parameter"),
+        ("postgresql://u@h:port/db", "has an invalid port 'port'"),
+        ("postgresql://u@h:70000/db", "has an invalid port '70000'"),
+        ("host=h dbname=x", "must start with postgresql://"),
+    ],
+)
+def test_a_database_url_that_does_not_parse_is_refused(url: str, fragment: str) -> None:
+    """The database URL must be a postgresql:// URL that libpq can parse."""
+    (problem,) = _problems_of(replace(VALID, database_url=url))
+    assert fragment in problem
+
+
+def test_a_password_in_the_database_url_is_not_printed() -> None:
+    """Problem lines show the database URL with its password masked."""
+    (problem,) = _problems_of(replace(VALID, database_url="postgresql://u:s3cret@h:x/db"))
+    assert "s3cret" not in problem
+    assert "postgresql://u:***@h:x/db" in problem
+    problems = _refusal([], {**BASE_ENV, "OUTBOX_DATABASE_URL": "mysql://u:s3cret@h/db"})
+    assert problems == ["database URL 'mysql://u:***@h/db' must start with postgresql://"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"http_port": -1}, "HTTP port must be 0 (off) or 1-65535, got -1"),
+        ({"http_port": 65536}, "HTTP port must be 0 (off) or 1-65535, got 65536"),
+        ({"http_host": " "}, "HTTP host is empty"),
+        ({"log_level": "LOUD"}, "log level 'LOUD' is not one of DEBUG, INFO, WARNING, ERROR"),
+        ({"log_format": "xml"}, "log format 'xml' is not one of text, json"),
+        ({"kafka_bootstrap": "h:0"}, "'h:0' is not host:port"),
+    ],
+)
+def test_new_settings_are_checked(overrides: dict[str, Any], fragment: str) -> None:
+    """HTTP address, log settings and bootstrap ports are validated like the rest."""
+    (problem,) = _problems_of(replace(VALID, **overrides))
+    assert fragment in problem
+
+
+def test_the_http_server_may_be_turned_off_with_any_host() -> None:
+    """Port 0 serves nothing, so the host is not checked."""
+    replace(VALID, http_port=0, http_host="").validate()
+
+
+def test_log_level_is_accepted_in_any_case() -> None:
+    """OUTBOX_LOG_LEVEL=debug means DEBUG."""
+    config = config_from_args([], {**BASE_ENV, "OUTBOX_LOG_LEVEL": "debug"})
+    assert config.log_level == "DEBUG"
+
+
+def test_every_setting_has_one_flag_variable_and_key_and_a_field() -> None:
+    """Each declaration names a PublisherConfig field; flags, variables and keys are unique."""
+    names = {s.name for s in SETTINGS}
+    assert names == {f.name for f in fields(PublisherConfig)}
+    for attribute in ("flag", "env", "key"):
+        values = [getattr(s, attribute) for s in SETTINGS]
+        assert len(values) == len(set(values)), attribute
+    assert {s.env for s in SETTINGS} >= {
+        "OUTBOX_HTTP_HOST",
+        "OUTBOX_HTTP_PORT",
+        "OUTBOX_LOG_FORMAT",
+    }
+
+
+def test_help_names_every_flag_its_variable_and_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--help lists each setting with its environment variable and default."""
+    with pytest.raises(SystemExit):
+        config_from_args(["--help"], {})
+    text = " ".join(capsys.readouterr().out.split())
+    for s in SETTINGS:
+        assert s.flag in text
+        assert s.env in text
+    assert "(default 9187) [OUTBOX_HTTP_PORT]" in text
+    assert "[OUTBOX_CONFIG]" in text
+
+
+def _problems_of(config: PublisherConfig) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        config.validate()
+    return _problems(caught.value)

@@ -1,0 +1,245 @@
+"""Whether the publisher is alive and whether it is ready, from what it last saw.
+
+``Health`` is written to by the loop, the heartbeat and the Kafka probe as
+they work, and read by ``/healthz``, ``/readyz`` and the metrics. It never
+contacts anything itself, so answering a probe costs nothing and cannot
+hang:
+
+* alive (``/healthz``): the loop has not ended and has turned within
+  ``alive_seconds`` (a settle may retry through a database outage for a
+  whole lease, so this is longer than the readiness limit);
+* ready (``/readyz``): the publisher is registered, its last database
+  contact and its last Kafka contact succeeded, it is not stopping, and the
+  loop turned within ``stall_seconds``.
+
+An idle publisher sends nothing to Kafka, so ``KafkaProbe`` asks the broker
+for its cluster description whenever nothing else talked to Kafka for a
+while: a broker that went away is noticed without traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import KafkaAdminClient
+from kafka import errors as kafka_errors
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class Contact:
+    """The last contact with one dependency: whether it succeeded, when, and why not."""
+
+    def __init__(self, name: str, clock: Clock, wall: Clock) -> None:
+        self.name = name
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.Lock()
+        #: ``None`` until the first contact.
+        self.ok: bool | None = None
+        self.error: str | None = None
+        #: Monotonic time of the last contact, either way.
+        self.last_at: float | None = None
+        #: Wall-clock time (epoch seconds) of the last successful contact.
+        self.last_success_time: float | None = None
+
+    def succeeded(self) -> None:
+        """The dependency answered."""
+        with self._lock:
+            self.ok, self.error = True, None
+            self.last_at = self._clock()
+            self.last_success_time = self._wall()
+
+    def failed(self, error: BaseException | str) -> None:
+        """The dependency did not answer (or answered that it cannot serve)."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        with self._lock:
+            self.ok, self.error = False, text
+            self.last_at = self._clock()
+
+    def age(self) -> float | None:
+        """Seconds since the last contact, either way; ``None`` if never."""
+        last = self.last_at
+        return None if last is None else self._clock() - last
+
+    def problem(self) -> str | None:
+        """Why this dependency does not count as reachable; ``None`` if it does."""
+        with self._lock:
+            ok, error, last = self.ok, self.error, self.last_at
+        if ok is None or last is None:
+            return "not contacted yet"
+        if not ok:
+            return f"last contact failed {self._clock() - last:.1f}s ago: {error}"
+        return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """An answer of ``/healthz`` or ``/readyz``: the result and each check's finding."""
+
+    ok: bool
+    #: Check name -> ``"ok"`` or why it fails.
+    checks: dict[str, str] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON body: ``{"ok": ..., "checks": {...}}`` plus the names that fail."""
+        failing = [name for name, finding in self.checks.items() if finding != "ok"]
+        return {"ok": self.ok, "failing": failing, "checks": self.checks}
+
+
+class Health:
+    """What the publisher last saw of itself and its dependencies."""
+
+    def __init__(
+        self,
+        *,
+        stall_seconds: float,
+        alive_seconds: float,
+        clock: Clock = time.monotonic,
+        wall: Clock = time.time,
+    ) -> None:
+        self.stall_seconds = stall_seconds
+        self.alive_seconds = alive_seconds
+        self._clock = clock
+        self._wall = wall
+        self.database = Contact("database", clock, wall)
+        self.kafka = Contact("kafka", clock, wall)
+        self.registered = False
+        self.stopping = False
+        #: ``starting`` -> ``running`` -> ``ended``.
+        self.loop = "starting"
+        self._turned_at: float | None = None
+        self.last_turn_time: float | None = None
+
+    def loop_started(self) -> None:
+        """The loop runs from now on."""
+        self.loop = "running"
+        self.loop_turned()
+
+    def loop_turned(self) -> None:
+        """The loop went once round (or moved a batch on): it is not stuck."""
+        self._turned_at = self._clock()
+        self.last_turn_time = self._wall()
+
+    def loop_ended(self) -> None:
+        """The loop has ended; the process is about to exit."""
+        self.loop = "ended"
+
+    def _loop_problem(self, limit: float) -> str | None:
+        if self.loop == "ended":
+            return "the loop has ended"
+        if self.loop == "starting" or self._turned_at is None:
+            return None
+        idle = self._clock() - self._turned_at
+        if idle > limit:
+            return f"no progress for {idle:.1f}s (limit {limit:g}s)"
+        return None
+
+    def liveness(self) -> Verdict:
+        """Whether the process and its loop are alive (a starting loop counts as alive)."""
+        problem = self._loop_problem(self.alive_seconds)
+        return Verdict(problem is None, {"loop": problem or "ok"})
+
+    def readiness(self) -> Verdict:
+        """Whether the publisher can do its work now; each failing check says why."""
+        checks = {
+            "registered": "ok" if self.registered else "not registered yet",
+            "database": self.database.problem() or "ok",
+            "kafka": self.kafka.problem() or "ok",
+        }
+        if self.stopping:
+            checks["loop"] = "stopping"
+        elif self.loop == "starting":
+            checks["loop"] = "starting"
+        else:
+            checks["loop"] = self._loop_problem(self.stall_seconds) or "ok"
+        return Verdict(all(v == "ok" for v in checks.values()), checks)
+
+
+class KafkaProbe:
+    """Checks Kafka in a daemon thread when nothing else talked to it for ``interval`` seconds."""
+
+    def __init__(self, contact: Contact, check: Callable[[], None], *, interval: float) -> None:
+        self._contact = contact
+        self._check = check
+        self._interval = interval
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Probe now if needed, then every ``interval`` seconds, in a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="outbox-kafka-probe", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop probing; waits for a probe in progress."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+            self._thread = None
+
+    def run_once(self) -> bool:
+        """Probe unless a recent contact already answered the question; say whether it probed."""
+        age = self._contact.age()
+        if age is not None and age < self._interval:
+            return False
+        try:
+            self._check()
+        except Exception as exc:  # noqa: BLE001 - any failure means Kafka is not reachable
+            if self._contact.ok is not False:
+                log.warning("Kafka is not reachable: %s: %s", type(exc).__name__, exc)
+            self._contact.failed(exc)
+        else:
+            self._contact.succeeded()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            self.run_once()
+            if self._stopping.wait(self._interval):
+                return
+
+
+class KafkaClusterCheck:
+    """A cheap question to the broker (describe the cluster), on an admin client kept open."""
+
+    def __init__(self, bootstrap_servers: str, *, timeout_ms: int = 5_000) -> None:
+        self._bootstrap = bootstrap_servers
+        self._timeout_ms = timeout_ms
+        self._admin: Any = None
+
+    def __call__(self) -> None:
+        """Return if the broker answered; raise otherwise."""
+        try:
+            if self._admin is None:
+                self._admin = KafkaAdminClient(
+                    bootstrap_servers=self._bootstrap,
+                    client_id="outbox-publisher-probe",
+                    request_timeout_ms=self._timeout_ms,
+                    bootstrap_timeout_ms=self._timeout_ms,
+                )
+            self._admin.describe_cluster()
+        except kafka_errors.ClusterAuthorizationFailedError:
+            return  # the broker answered; it only keeps the details to itself
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the admin client (the next check opens another)."""
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            try:
+                admin.close()
+            except Exception as exc:  # noqa: BLE001 - closing a broken client may fail too
+                log.debug("closing the Kafka probe's client: %s", exc)

@@ -1,0 +1,123 @@
+"""The publisher's log lines: text for people, JSON for log collectors, context on both.
+
+Every line about a message names the message, its attempt and its fence (and
+the batch where known): in text they lead the line ("message <id> attempt 3
+fence 7: ..."), in JSON they are also fields of their own, so that a log
+search for one message id finds its whole story. ``MessageLog`` adds both;
+``JsonFormatter`` writes one object per line with every such field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import uuid
+from collections.abc import Mapping, MutableMapping
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+#: Attributes every ``LogRecord`` has; anything else on a record came from ``extra=``.
+_RECORD_ATTRIBUTES = frozenset(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, then the context fields.
+
+    Context fields are whatever the call passed with ``extra=`` (``message_id``,
+    ``attempt``, ``fence``, ``batch_id``...); values JSON cannot hold are
+    written as text. A traceback goes to ``exception``.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render one record as a single line of JSON."""
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name, value in record.__dict__.items():
+            if name not in _RECORD_ATTRIBUTES and not name.startswith("_"):
+                line[name] = value
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
+def message_context(
+    message_id: uuid.UUID,
+    *,
+    attempt: int | None = None,
+    fence: int | None = None,
+    batch_id: int | None = None,
+) -> dict[str, object]:
+    """The context fields of a line about one message (unknown ones left out)."""
+    context: dict[str, object] = {"message_id": str(message_id)}
+    for name, value in (("attempt", attempt), ("fence", fence), ("batch_id", batch_id)):
+        if value is not None:
+            context[name] = value
+    return context
+
+
+class MessageLog(logging.LoggerAdapter[logging.Logger]):
+    """A logger for lines about one message: prefixes the text, adds the context fields.
+
+    ``MessageLog(log, m.id, attempt=3, fence=7, batch_id=12).warning("will retry")``
+    logs "message <id> attempt 3 fence 7: will retry" with ``message_id``,
+    ``attempt``, ``fence`` and ``batch_id`` as fields.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message_id: uuid.UUID,
+        *,
+        attempt: int | None = None,
+        fence: int | None = None,
+        batch_id: int | None = None,
+    ) -> None:
+        context = message_context(message_id, attempt=attempt, fence=fence, batch_id=batch_id)
+        super().__init__(logger, context)
+        words = [f"message {message_id}"]
+        if attempt is not None:
+            words.append(f"attempt {attempt}")
+        if fence is not None:
+            words.append(f"fence {fence}")
+        self.prefix = " ".join(words)
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        """Prefix the message and merge the context into the call's own ``extra``."""
+        own: Mapping[str, object] = kwargs.get("extra") or {}
+        kwargs["extra"] = {**(self.extra or {}), **own}
+        return f"{self.prefix}: {msg}", kwargs
+
+
+def configure_logging(level: str, log_format: str, stream: TextIO | None = None) -> None:
+    """Send every log line to ``stream`` (stderr) at ``level``, as text or JSON.
+
+    kafka-python logs every reconnect at INFO/ERROR and an ERROR for each
+    topic it has not seen yet (even one the broker creates on first use);
+    the publisher's own lines say what matters, so those are quietened.
+    """
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    logging.getLogger("kafka.cluster").setLevel(logging.CRITICAL)
