@@ -1,17 +1,24 @@
 # Image for the outbox publisher sidecar (`outbox-publisher`, the default
-# entrypoint) and the operator CLI (`outbox migrate`, `outbox status`), which
-# ship in the same package.
+# command) and the operator CLI (`outbox migrate`, `outbox status`), which ship
+# in the same package.
 #
 #   docker build -t outbox:local .
-#   docker run --rm -e OUTBOX_DATABASE_URL=postgresql://... outbox:local --help
-#   docker run --rm -e OUTBOX_DATABASE_URL=postgresql://... --entrypoint outbox outbox:local migrate
+#   docker run --rm -e OUTBOX_DATABASE_URL=postgresql://... -e OUTBOX_KAFKA_BOOTSTRAP=... \
+#       -p 127.0.0.1:9187:9187 outbox:local
+#   docker run --rm outbox:local outbox-publisher --help
+#   docker run --rm -e OUTBOX_DATABASE_URL=postgresql://... outbox:local outbox migrate
 #
-# Settings come from the environment (OUTBOX_DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP,
-# OUTBOX_BATCH_SIZE, OUTBOX_LEASE_SECONDS, OUTBOX_POLL_INTERVAL, OUTBOX_LOG_LEVEL)
-# or from flags after the image name. On SIGTERM the publisher finishes the batch
-# in hand (up to delivery + request timeout, 40 s by default) and exits 0, so give
-# it a stop timeout of a minute (`docker stop -t 60`, compose `stop_grace_period`).
+# Settings come from the environment (OUTBOX_DATABASE_URL, OUTBOX_KAFKA_BOOTSTRAP
+# and OUTBOX_<NAME> for every other setting `outbox-publisher --help` lists) or
+# from flags after the command. The publisher serves /metrics, /healthz and
+# /readyz on port 9187 (OUTBOX_HTTP_PORT); compose.yaml probes /readyz. On
+# SIGTERM it finishes the batch in hand (up to delivery + request timeout, 40 s
+# by default) and exits 0, so give it a stop timeout of a minute (`docker stop
+# -t 60`, compose `stop_grace_period`).
 #
+# Two stages: `build` resolves the dependencies and builds the project's wheel
+# into a venv; `runtime` is a fresh slim Python with only that venv (no
+# compiler, no source tree, no wheel cache), run as an unprivileged user.
 # Needs BuildKit (the default builder since Docker 23) for the pip cache mounts.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -71,4 +78,9 @@ WORKDIR /app
 # Numeric, so that runAsNonRoot-style checks can verify it.
 USER 10001:10001
 
-ENTRYPOINT ["outbox-publisher"]
+# /metrics, /healthz and /readyz of outbox-publisher (OUTBOX_HTTP_PORT).
+EXPOSE 9187
+
+# Not an ENTRYPOINT: the same image runs `outbox migrate`, `outbox status` and
+# the demo by naming the command.
+CMD ["outbox-publisher"]
