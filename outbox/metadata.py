@@ -53,7 +53,7 @@ schema_migrations = sa.Table(
     sa.PrimaryKeyConstraint("version", name="schema_migrations_pkey"),
 )
 
-#: One row per publication intent (0001, 0002, 0003, 0004, 0005).
+#: One row per publication intent; every migration so far changed it.
 messages = sa.Table(
     "messages",
     metadata,
