@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
+from prometheus_client import disable_created_metrics
+
 import outbox
 from publisher.config import (
     CONFIG_ENV,
@@ -154,8 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FaultSpecError) as exc:
         print(f"outbox-publisher: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level, config.log_format)
-    publisher = build_publisher(config, faults=faults)
+    publisher_id = uuid.uuid4()
+    configure_logging(
+        config.log_level, config.log_format, fields={"publisher_id": str(publisher_id)}
+    )
+    # Every counter would also get a <name>_created series; they only add noise.
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
+    publisher = build_publisher(config, publisher_id, faults=faults)
     server = None
     if config.http_port:
         try:

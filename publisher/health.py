@@ -59,7 +59,7 @@ class Contact:
 
     def failed(self, error: BaseException | str) -> None:
         """The dependency did not answer (or answered that it cannot serve)."""
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        text = error if isinstance(error, str) else _describe(error)
         with self._lock:
             self.ok, self.error = False, text
             self.last_at = self._clock()
@@ -78,6 +78,12 @@ class Contact:
         if not ok:
             return f"last contact failed {self._clock() - last:.1f}s ago: {error}"
         return None
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: text``, without repeating the type where the text already starts with it."""
+    name, text = type(error).__name__, str(error)
+    return text if text.startswith(name) else f"{name}: {text}"
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,32 @@ class MessageLog(logging.LoggerAdapter[logging.Logger]):
         return f"{self.prefix}: {msg}", kwargs
 
 
-def configure_logging(level: str, log_format: str, stream: TextIO | None = None) -> None:
+class _Fields(logging.Filter):
+    """Adds fixed fields (the publisher id) to every record that lacks them."""
+
+    def __init__(self, fields: Mapping[str, object]) -> None:
+        super().__init__()
+        self._fields = dict(fields)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Add the fields; never drops a record."""
+        for name, value in self._fields.items():
+            if not hasattr(record, name):
+                setattr(record, name, value)
+        return True
+
+
+def configure_logging(
+    level: str,
+    log_format: str,
+    stream: TextIO | None = None,
+    *,
+    fields: Mapping[str, object] | None = None,
+) -> None:
     """Send every log line to ``stream`` (stderr) at ``level``, as text or JSON.
 
+    ``fields`` are added to every line (in JSON only: text lines stay short),
+    so that lines of several publishers collected together can be told apart.
     kafka-python logs every reconnect at INFO/ERROR and an ERROR for each
     topic it has not seen yet (even one the broker creates on first use);
     the publisher's own lines say what matters, so those are quietened.
@@ -114,6 +137,8 @@ def configure_logging(level: str, log_format: str, stream: TextIO | None = None)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
+    if fields:
+        handler.addFilter(_Fields(fields))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

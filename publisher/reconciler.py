@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from outbox.states import State
+from publisher.logs import MessageLog
 from publisher.partitioning import partition_for
 from publisher.scanner import LogScanner, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
@@ -80,8 +81,9 @@ class Reconciler:
             decisions.extend(self._decide_topic(topic, messages, report))
         changed = self.store.decide(decisions, self.decided_by)
         for d in decisions:
+            mlog = MessageLog(log, d.message_id, fence=d.fence)
             if d.message_id not in changed:
-                log.warning("message %s changed before the decision was stored", d.message_id)
+                mlog.warning("changed before the decision was stored")
                 continue
             bucket = {
                 State.DELIVERED: report.delivered,
@@ -89,10 +91,9 @@ class Reconciler:
                 State.UNCERTAIN: report.escalated,
             }[d.to_state]
             bucket.append(d.message_id)
-            log.log(
+            mlog.log(
                 logging.ERROR if d.to_state is State.UNCERTAIN else logging.INFO,
-                "reconciled message %s -> %s: %s",
-                d.message_id,
+                "reconciled -> %s: %s",
                 "escalated" if d.to_state is State.UNCERTAIN else d.to_state.value,
                 d.reason,
             )

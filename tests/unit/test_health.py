@@ -1,0 +1,156 @@
+"""Liveness and readiness (publisher/health.py) from what the publisher last saw."""
+
+from __future__ import annotations
+
+import time
+
+from kafka import errors as kafka_errors
+
+from publisher.health import Health, KafkaProbe
+from tests.support import wait_until
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _health(clock: FakeClock) -> Health:
+    return Health(stall_seconds=50, alive_seconds=110, clock=clock, wall=lambda: 1.7e9)
+
+
+def _ready(clock: FakeClock) -> Health:
+    """A health record of a publisher that registered, talked to both, and runs its loop."""
+    health = _health(clock)
+    health.registered = True
+    health.database.succeeded()
+    health.kafka.succeeded()
+    health.loop_started()
+    return health
+
+
+def test_a_running_publisher_whose_dependencies_answered_is_ready() -> None:
+    """Registered, last database and Kafka contacts fine, loop turning: ready, every check ok."""
+    verdict = _ready(FakeClock()).readiness()
+    assert verdict.ok
+    assert verdict.checks == {"registered": "ok", "database": "ok", "kafka": "ok", "loop": "ok"}
+    assert verdict.as_json()["failing"] == []
+
+
+def test_a_starting_publisher_is_alive_but_not_ready_and_says_why() -> None:
+    """Before registration and any contact, /readyz names each missing piece; /healthz is fine."""
+    health = _health(FakeClock())
+    verdict = health.readiness()
+    assert not verdict.ok
+    assert verdict.checks == {
+        "registered": "not registered yet",
+        "database": "not contacted yet",
+        "kafka": "not contacted yet",
+        "loop": "starting",
+    }
+    assert health.liveness().ok
+
+
+def test_a_failed_kafka_contact_makes_it_not_ready_until_a_contact_succeeds() -> None:
+    """The last Kafka contact failing is named with its error and age; a success undoes it."""
+    clock = FakeClock()
+    health = _ready(clock)
+    health.kafka.failed(kafka_errors.KafkaConnectionError("111 ECONNREFUSED"))
+    clock.now += 2.5
+    verdict = health.readiness()
+    assert not verdict.ok
+    assert verdict.as_json()["failing"] == ["kafka"]
+    assert verdict.checks["kafka"] == (
+        "last contact failed 2.5s ago: KafkaConnectionError: 111 ECONNREFUSED"
+    )
+    health.kafka.succeeded()
+    assert health.readiness().ok
+
+
+def test_a_failed_database_contact_makes_it_not_ready() -> None:
+    """The database's last contact failing is named too."""
+    health = _ready(FakeClock())
+    health.database.failed("OperationalError: connection refused")
+    verdict = health.readiness()
+    assert verdict.as_json()["failing"] == ["database"]
+    assert "connection refused" in verdict.checks["database"]
+
+
+def test_a_loop_without_progress_is_not_ready_then_not_alive() -> None:
+    """No turn for longer than stall_seconds: not ready; longer than alive_seconds: not alive."""
+    clock = FakeClock()
+    health = _ready(clock)
+    clock.now += 49
+    assert health.readiness().ok
+    clock.now += 2
+    verdict = health.readiness()
+    assert verdict.checks["loop"] == "no progress for 51.0s (limit 50s)"
+    assert health.liveness().ok
+    clock.now += 60
+    assert not health.liveness().ok
+    assert health.liveness().checks["loop"] == "no progress for 111.0s (limit 110s)"
+    health.loop_turned()
+    assert health.liveness().ok
+    assert health.readiness().ok
+
+
+def test_a_stopping_publisher_is_not_ready_and_an_ended_loop_is_not_alive() -> None:
+    """After a stop request /readyz says stopping; once the loop ended /healthz fails."""
+    health = _ready(FakeClock())
+    health.stopping = True
+    assert health.readiness().checks["loop"] == "stopping"
+    assert health.liveness().ok
+    health.loop_ended()
+    assert not health.liveness().ok
+    assert health.liveness().checks == {"loop": "the loop has ended"}
+
+
+def test_the_kafka_probe_asks_only_when_nothing_talked_to_kafka_lately() -> None:
+    """The probe checks at once when Kafka was never contacted, then only once contacts age."""
+    clock = FakeClock()
+    health = _health(clock)
+    calls: list[float] = []
+    probe = KafkaProbe(health.kafka, lambda: calls.append(clock.now), interval=10)
+
+    assert probe.run_once()
+    assert health.kafka.ok is True
+    clock.now += 5
+    assert not probe.run_once()
+    clock.now += 6
+    assert probe.run_once()
+    assert calls == [1_000.0, 1_011.0]
+
+
+def test_the_kafka_probe_records_a_failure_with_its_reason() -> None:
+    """A check that raises marks Kafka as failed, with the error, and retries at the interval."""
+    clock = FakeClock()
+    health = _ready(clock)
+    clock.now += 30
+
+    def refuse() -> None:
+        raise kafka_errors.KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1")
+
+    probe = KafkaProbe(health.kafka, refuse, interval=10)
+    assert probe.run_once()
+    assert health.kafka.ok is False
+    problem = health.readiness().checks["kafka"]
+    assert problem.startswith("last contact failed 0.0s ago: KafkaTimeoutError")
+    assert "Unable to bootstrap" in problem
+
+
+def test_the_kafka_probe_thread_probes_at_start_and_stops_promptly() -> None:
+    """start() probes in a thread; stop() returns without waiting out the interval."""
+    health = _health(FakeClock())
+    probe = KafkaProbe(health.kafka, lambda: None, interval=3_600)
+    probe.start()
+    try:
+        wait_until(lambda: health.kafka.ok, timeout=5, what="the first probe")
+    finally:
+        started = time.monotonic()
+        probe.stop()
+    assert time.monotonic() - started < 5

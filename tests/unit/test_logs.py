@@ -1,0 +1,139 @@
+"""Log lines (publisher/logs.py): JSON objects, message context, text prefixes."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from publisher.logs import JsonFormatter, MessageLog, configure_logging
+
+MESSAGE_ID = uuid.UUID("01890a5d-ac96-774b-bcce-b302099a8057")
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Put the root logger's handlers and level back after a test that configures logging."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
+    record = logging.LogRecord("publisher.loop", logging.WARNING, __file__, 1, msg, args, None)
+    for name, value in extra.items():
+        setattr(record, name, value)
+    record.created = 1_700_000_000.25
+    return record
+
+
+def test_json_formatter_writes_one_object_with_time_level_logger_message_and_context() -> None:
+    """A record becomes one line of JSON holding the standard fields and every extra field."""
+    line = JsonFormatter().format(
+        _record("sent %d records", 3, message_id=str(MESSAGE_ID), attempt=2, fence=5, batch_id=9)
+    )
+    assert "\n" not in line
+    assert json.loads(line) == {
+        "time": "2023-11-14T22:13:20.250+00:00",
+        "level": "WARNING",
+        "logger": "publisher.loop",
+        "message": "sent 3 records",
+        "message_id": str(MESSAGE_ID),
+        "attempt": 2,
+        "fence": 5,
+        "batch_id": 9,
+    }
+
+
+def test_json_formatter_writes_values_json_cannot_hold_as_text_and_tracebacks() -> None:
+    """A UUID field is written as text; an exception goes to "exception" with its traceback."""
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "publisher",
+            logging.ERROR,
+            __file__,
+            1,
+            "failed",
+            (),
+            exc_info=sys.exc_info(),
+        )
+    record.publisher_id = MESSAGE_ID
+    parsed = json.loads(JsonFormatter().format(record))
+    assert parsed["publisher_id"] == str(MESSAGE_ID)
+    assert parsed["exception"].startswith("Traceback")
+    assert "ValueError: boom" in parsed["exception"]
+
+
+def test_message_log_prefixes_the_text_and_adds_the_context_fields(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Text says "message <id> attempt A fence F: ..."; the record carries each as a field."""
+    logger = logging.getLogger("publisher.test")
+    with caplog.at_level(logging.INFO, logger="publisher.test"):
+        MessageLog(logger, MESSAGE_ID, attempt=3, fence=7, batch_id=12).warning(
+            "not written, will retry: %s", "KafkaTimeoutError", extra={"topic": "orders"}
+        )
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"message {MESSAGE_ID} attempt 3 fence 7: not written, will retry: KafkaTimeoutError"
+    )
+    assert record.message_id == str(MESSAGE_ID)  # type: ignore[attr-defined]
+    assert (record.attempt, record.fence, record.batch_id) == (3, 7, 12)  # type: ignore[attr-defined]
+    assert record.topic == "orders"  # type: ignore[attr-defined]
+
+
+def test_message_log_leaves_out_what_is_not_known(caplog: pytest.LogCaptureFixture) -> None:
+    """Without attempt and fence (recovery knows only the id), nothing is invented."""
+    logger = logging.getLogger("publisher.test")
+    with caplog.at_level(logging.INFO, logger="publisher.test"):
+        MessageLog(logger, MESSAGE_ID).warning("lease expired, moved to %s", "pending")
+    (record,) = caplog.records
+    assert record.getMessage() == f"message {MESSAGE_ID}: lease expired, moved to pending"
+    assert not hasattr(record, "attempt")
+    assert not hasattr(record, "fence")
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_configure_logging_json_puts_fixed_fields_on_every_line() -> None:
+    """--log-format json: each line is an object, with the publisher id and the message context."""
+    stream = io.StringIO()
+    configure_logging("INFO", "json", stream, fields={"publisher_id": "p-1"})
+    logger = logging.getLogger("publisher.loop")
+    logger.info("publisher started")
+    MessageLog(logger, MESSAGE_ID, attempt=1, fence=1, batch_id=4).error("quarantined: too large")
+    logger.debug("not shown at INFO")
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["message"] == "publisher started"
+    assert first["publisher_id"] == "p-1"
+    assert second["level"] == "ERROR"
+    assert second["message"] == f"message {MESSAGE_ID} attempt 1 fence 1: quarantined: too large"
+    assert (second["message_id"], second["attempt"], second["fence"], second["batch_id"]) == (
+        str(MESSAGE_ID),
+        1,
+        1,
+        4,
+    )
+    assert second["publisher_id"] == "p-1"
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_configure_logging_text_writes_the_context_in_the_message() -> None:
+    """--log-format text: one human line, the message's id, attempt and fence in its text."""
+    stream = io.StringIO()
+    configure_logging("WARNING", "text", stream, fields={"publisher_id": "p-1"})
+    MessageLog(logging.getLogger("publisher.loop"), MESSAGE_ID, attempt=3, fence=7).warning("stale")
+    (line,) = stream.getvalue().splitlines()
+    assert line.endswith(f"WARNING publisher.loop: message {MESSAGE_ID} attempt 3 fence 7: stale")
+    assert "p-1" not in line
