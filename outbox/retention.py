@@ -15,6 +15,9 @@ walking the primary keys (message ids are UUIDv7, so id order is enqueue
 order) with a cursor, so purge neither holds long locks nor rereads rows.
 A deleted message frees its idempotency key: enqueues are deduplicated only
 for as long as their message is kept.
+
+One purge runs at a time per database (a session advisory lock); another one
+started meanwhile raises ``PurgeBusy`` instead of deleting the same rows twice.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 
 import psycopg
 
+from outbox.errors import OutboxError
+from outbox.migrations import MIGRATION_LOCK_KEY
 from outbox.queries import query
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -39,6 +44,12 @@ DEFAULT_EVIDENCE_AGE = timedelta(days=30)
 DEFAULT_BATCH_SIZE = 1000
 
 _ZERO_ID = uuid.UUID(int=0)
+#: Key of the session advisory lock a purge holds (next to the migrations' one).
+PURGE_LOCK_KEY = MIGRATION_LOCK_KEY + 1
+
+
+class PurgeBusy(OutboxError):
+    """Another purge (``outbox purge`` or a publisher's retention pass) is running."""
 
 
 def parse_duration(text: str) -> timedelta:
@@ -91,6 +102,24 @@ def purge(
             raise ValueError(f"{name} must be longer than zero, got {age}")
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)
+    locked = conn.execute("SELECT pg_try_advisory_lock(%s)", (PURGE_LOCK_KEY,)).fetchone()
+    conn.commit()
+    if not locked or not locked[0]:
+        raise PurgeBusy("another purge is running on this database; try again when it is done")
+    try:
+        return _purge(conn, delivered_older_than, evidence_older_than, batch_size, should_stop)
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK_KEY,))
+        conn.commit()
+
+
+def _purge(
+    conn: psycopg.Connection[Any],
+    delivered_older_than: timedelta,
+    evidence_older_than: timedelta,
+    batch_size: int,
+    should_stop: Callable[[], bool],
+) -> PurgeReport:
     steps = 0
 
     def walk(name: str, age: timedelta, first: tuple[Any, Any]) -> int:

@@ -18,6 +18,7 @@ import pytest
 
 import outbox
 import outbox.ids
+from outbox.retention import PURGE_LOCK_KEY
 from tests.support import (
     fetch_rows,
     make_uncertain,
@@ -169,3 +170,15 @@ def test_purge_refuses_a_bad_age_and_deletes_nothing(database_url: str, topic: s
         assert result.returncode == 2
         assert says in result.stderr
     assert _count(database_url, "SELECT count(*) FROM outbox.messages") == 1
+
+
+def test_one_purge_at_a_time(database_url: str) -> None:
+    """While a purge holds its lock, another one says so and deletes nothing."""
+    with psycopg.connect(database_url, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s)", (PURGE_LOCK_KEY,))
+        busy = run_outbox_cli(database_url, "purge", "--delivered-older-than", "1d")
+        assert busy.returncode == 2
+        assert "another purge is running" in busy.stderr
+        other.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK_KEY,))
+    done = run_outbox_cli(database_url, "purge", "--delivered-older-than", "1d")
+    assert done.returncode == 0, done.stderr
