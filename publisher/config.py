@@ -466,7 +466,7 @@ def resolve(
     from_file = file.values
     problems = list(file.problems)
     values: dict[str, object] = {}
-    bad = set(file.refused)
+    bad: set[str] = set()
     for s in SETTINGS:
         try:
             if s.name in flags:
@@ -476,6 +476,8 @@ def resolve(
                 values[s.name] = _from_text(s, environ[s.env])
             elif s.name in from_file:
                 values[s.name] = from_file[s.name]
+            elif s.name in file.refused:
+                bad.add(s.name)  # reported with the file's problems
         except _BadValue as exc:
             source = f"{s.flag}" if s.name in flags else s.env
             raw_text = str(flags.get(s.name, environ.get(s.env, "")))

@@ -361,3 +361,14 @@ def _problems_of(config: PublisherConfig) -> list[str]:
     with pytest.raises(ConfigError) as caught:
         config.validate()
     return _problems(caught.value)
+
+
+def test_a_refused_file_value_overridden_by_a_flag_is_still_checked(tmp_path: Path) -> None:
+    """lease_seconds = "long" in the file, --lease-seconds 30 given: both problems are named."""
+    path = _write(tmp_path, 'lease_seconds = "long"\n')
+    problems = _refusal(["--config", path, "--lease-seconds", "30"], BASE_ENV)
+    assert len(problems) == 2, problems
+    assert (
+        problems[0] == f'config file {path}: lease_seconds = "long" is a string, expected a number'
+    )
+    assert problems[1].startswith("lease (30s) must be longer than the longest a send can take")
