@@ -181,7 +181,12 @@ def count_by_state(database_url: str) -> dict[str, int]:
 def start_publisher(
     database_url: str, kafka_bootstrap: str, *flags: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    """Start the installed ``outbox-publisher`` script as a separate process."""
+    """Start the installed ``outbox-publisher`` script as a separate process.
+
+    Its HTTP endpoints are off (``OUTBOX_HTTP_PORT=0``) unless a flag or
+    ``env`` says otherwise: publishers of concurrent tests would all want the
+    default port.
+    """
     script = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
     assert script is not None, "outbox-publisher is not installed next to this Python"
     return subprocess.Popen(
@@ -190,6 +195,7 @@ def start_publisher(
             **os.environ,
             "OUTBOX_DATABASE_URL": database_url,
             "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            "OUTBOX_HTTP_PORT": "0",
             **(env or {}),
         },
         stdout=subprocess.PIPE,

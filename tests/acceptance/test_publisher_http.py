@@ -245,7 +245,10 @@ def test_a_config_file_is_honoured(database_url: str, kafka_bootstrap: str, tmp_
     path.write_text(
         f'http_host = "127.0.0.1"\nhttp_port = {port}\nlog_format = "json"\npoll_interval = 0.2\n'
     )
-    process = start_publisher(database_url, kafka_bootstrap, "--config", str(path))
+    # Empty: unset, so that the file's port counts (start_publisher turns HTTP off).
+    process = start_publisher(
+        database_url, kafka_bootstrap, "--config", str(path), env={"OUTBOX_HTTP_PORT": ""}
+    )
     try:
         wait_until(
             lambda: _get(f"http://127.0.0.1:{port}/healthz")[0] == 200,
