@@ -494,7 +494,7 @@ class Publisher:
                 t.stale += 1
                 m.lease_losses.labels("at_settle").inc()
                 mlog.warning(
-                    "fence is stale (the lease was taken over), the outcome %s changed nothing",
+                    "fence is stale, the outcome %s changed nothing (its lease was taken over)",
                     s.attempt_outcome,
                 )
                 continue
