@@ -278,3 +278,20 @@ def test_a_bad_config_file_exits_2_naming_each_bad_key(tmp_path: Path) -> None:
         f"  config file {path}: unknown key 'batch_sise' (did you mean 'batch_size'?)",
         f'  config file {path}: lease_seconds = "long" is a string, expected a number',
     ]
+
+
+def test_an_http_port_in_use_stops_the_start_with_exit_1(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A publisher that cannot listen where it was told says so and exits 1, sending nothing."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = start_publisher(
+            database_url, kafka_bootstrap, "--http-host", "127.0.0.1", "--http-port", str(port)
+        )
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1, stderr
+    assert f"cannot serve metrics and health on 127.0.0.1:{port}" in stderr
+    assert fetch_rows(database_url, "SELECT count(*) FROM outbox.publishers") == [(0,)]
