@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -485,15 +486,14 @@ class Publisher:
         t.batches += 1
         m.batches.inc()
         claimed = {c.id: c for c in batch.messages}
-        delivered = False
+        delivered: Counter[str] = Counter()  # by topic: one increment per topic, not per message
         for s in settlements:
             message = claimed[s.message_id]
-            mlog = self._message_log(message, batch.id)
             failure_class = self._failure_class.get(s.message_id)
             if s.message_id not in changed:
                 t.stale += 1
                 m.lease_losses.labels("at_settle").inc()
-                mlog.warning(
+                self._message_log(message, batch.id).warning(
                     "fence is stale, the outcome %s changed nothing (its lease was taken over)",
                     s.attempt_outcome,
                 )
@@ -502,20 +502,23 @@ class Publisher:
                 m.failures.labels(message.topic, failure_class).inc()
             if s.state is State.DELIVERED:
                 t.delivered += 1
-                m.deliveries.labels(message.topic).inc()
-                delivered = True
+                delivered[message.topic] += 1
             elif s.attempt_outcome == "abandoned":
                 t.released += 1
             elif s.state is State.PENDING:
                 t.retried += 1
-                mlog.warning("not written, will retry: %s", s.error)
+                self._message_log(message, batch.id).warning("not written, will retry: %s", s.error)
             elif s.state is State.UNCERTAIN:
                 t.uncertain += 1
                 m.uncertain_found.labels("send").inc()
-                mlog.error("outcome unknown, marked uncertain: %s", s.error)
+                self._message_log(message, batch.id).error(
+                    "outcome unknown, marked uncertain: %s", s.error
+                )
             elif s.state is State.QUARANTINED:
                 t.quarantined += 1
-                mlog.error("quarantined: %s", s.error)
+                self._message_log(message, batch.id).error("quarantined: %s", s.error)
+        for topic, n in delivered.items():
+            m.deliveries.labels(topic).inc(n)
         if delivered:
             m.last_delivery_time.set_to_current_time()
 
