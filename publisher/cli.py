@@ -21,6 +21,7 @@ from types import FrameType
 from prometheus_client import disable_created_metrics
 
 import outbox
+from outbox.retention import parse_duration
 from publisher.config import (
     CONFIG_ENV,
     GROUPS,
@@ -37,6 +38,7 @@ from publisher.logs import configure_logging
 from publisher.loop import Publisher
 from publisher.metrics import StatusReader
 from publisher.reconciler import Reconciler
+from publisher.retention import RetentionRunner
 from publisher.scanner import KafkaLogScanner
 from publisher.sink import KafkaSink, KafkaSinkConfig
 from publisher.store import PublisherStore
@@ -131,7 +133,7 @@ def build_publisher(
             allow_auto_create_topics=config.auto_create_topics,
         )
     )
-    return Publisher(
+    publisher = Publisher(
         config,
         store,
         sink,
@@ -146,6 +148,15 @@ def build_publisher(
             config.kafka_bootstrap, timeout_ms=min(config.request_timeout_ms, 5_000)
         ),
     )
+    if config.purge_delivered_after:
+        publisher.retention = RetentionRunner(
+            config.database_url,
+            interval=config.purge_interval,
+            delivered_older_than=parse_duration(config.purge_delivered_after),
+            evidence_older_than=parse_duration(config.purge_evidence_after),
+            on_report=publisher.metrics.count_purge,
+        )
+    return publisher
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.errors import OutboxError
+from outbox.retention import parse_duration
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -72,6 +73,13 @@ class PublisherConfig:
     http_host: str = "0.0.0.0"  # noqa: S104 - a sidecar is scraped from outside its container
     #: Port of the metrics and health endpoints; 0 serves none.
     http_port: int = 9187
+    #: Retention: delete delivered messages older than this (``7d``; see
+    #: ``outbox purge``); empty leaves them all in place.
+    purge_delivered_after: str = ""
+    #: Retention: keep the evidence of purged messages this long.
+    purge_evidence_after: str = "30d"
+    #: Seconds between two retention passes (when ``purge_delivered_after`` is set).
+    purge_interval: float = 3600.0
     log_level: str = "INFO"
     #: ``text`` for people, ``json`` (one object per line) for log collectors.
     log_format: str = "text"
@@ -160,6 +168,15 @@ class PublisherConfig:
                 f"take (delivery + request timeout = {self.longest_send_seconds:g}s), or a "
                 "batch could still be in flight when its lease expires",
             )
+        for name in ("purge_delivered_after", "purge_evidence_after"):
+            text = getattr(self, name)
+            if text or name == "purge_evidence_after":
+                try:
+                    parse_duration(text)
+                except ValueError as exc:
+                    problem(name, f"{name.replace('_', ' ')}: {exc}")
+        if self.purge_interval <= 0:
+            problem("purge_interval", f"purge interval must be positive, got {self.purge_interval}")
         if not 0 <= self.http_port <= 65535:
             problem("http_port", f"HTTP port must be 0 (off) or 1-65535, got {self.http_port}")
         elif self.http_port and not self.http_host.strip():
@@ -225,6 +242,7 @@ GROUPS = (
     "retries",
     "Kafka producer",
     "metrics and health over HTTP",
+    "retention",
     "logs",
 )
 
@@ -311,6 +329,12 @@ SETTINGS: tuple[Setting, ...] = (
             "over HTTP", metavar="HOST"),
     Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",
             "metrics and health over HTTP", metavar="PORT"),
+    Setting("purge_delivered_after", str, "delete delivered messages older than this (e.g. 7d; "
+            "units s, m, h, d, w); unset keeps them", "retention", unset="off", metavar="AGE"),
+    Setting("purge_evidence_after", str, "keep the evidence of purged messages this long",
+            "retention", metavar="AGE"),
+    Setting("purge_interval", float, "seconds between retention passes", "retention",
+            metavar="SECONDS"),
     Setting("log_level", str, "DEBUG, INFO, WARNING or ERROR", "logs", normalise="upper",
             metavar="LEVEL"),
     Setting("log_format", str, "text, or json for one JSON object per line", "logs",

@@ -53,6 +53,7 @@ from publisher.outcomes import (
 )
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
+from publisher.retention import RetentionRunner
 from publisher.sink import OutgoingRecord, SendReport, Sink
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
@@ -94,9 +95,12 @@ class Publisher:
         status_reader: StatusRead | None = None,
         kafka_check: Callable[[], None] | None = None,
         kafka_probe_interval: float = 10.0,
+        retention: RetentionRunner | None = None,
     ) -> None:
         self.config = config
         self.store = store
+        #: Runs retention (``outbox purge``) in the background, when configured.
+        self.retention = retention
         self.sink = sink
         self.waker = waker or Waker(None)
         self.reconciler = reconciler
@@ -169,6 +173,8 @@ class Publisher:
         if self.heartbeat is not None:
             self.heartbeat.beat()  # take a share of the lanes before the first claim
             self.heartbeat.start()
+        if self.retention is not None:
+            self.retention.start()
         self.health.loop_started()
         log.info(
             "publisher %s started (batch %d, lease %gs, poll %gs)",
@@ -217,6 +223,8 @@ class Publisher:
 
     def _shut_down(self) -> None:
         self.health.loop_ended()
+        if self.retention is not None:
+            self.retention.stop()
         self.health.registered = False
         self.waker.stop()
         if self._kafka_probe is not None:

@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from outbox.retention import PurgeReport
 from outbox.states import State
 from outbox.status import read_status
 from publisher.health import Health
@@ -137,6 +138,13 @@ class PublisherMetrics:
             ["to_state"],
             registry=r,
         )
+        self.purged = Counter(
+            "outbox_purged_rows",
+            "Rows deleted by this publisher's retention passes: table=messages (delivered "
+            "messages), attempts, decisions or batches (evidence of purged messages).",
+            ["table"],
+            registry=r,
+        )
         self.batch_seconds = Histogram(
             "outbox_batch_duration_seconds",
             "Seconds from the start of a claim to its settle (a batch that claimed something).",
@@ -167,6 +175,16 @@ class PublisherMetrics:
         self._status: StatusCollector | None = None
         if health is not None:
             r.register(HealthCollector(health))
+
+    def count_purge(self, report: PurgeReport) -> None:
+        """Count what one retention pass deleted, by table."""
+        for table, rows in (
+            ("messages", report.messages),
+            ("attempts", report.attempts),
+            ("decisions", report.decisions),
+            ("batches", report.batches),
+        ):
+            self.purged.labels(table).inc(rows)
 
     def watch_status(self, read: StatusRead, *, cache_seconds: float = 5.0) -> StatusCollector:
         """Export the outbox's message counts, read by ``read`` at scrape time."""

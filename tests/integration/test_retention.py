@@ -8,6 +8,7 @@ their delivery times moved back; so every row is as it would be after ten days.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -19,12 +20,15 @@ import pytest
 import outbox
 import outbox.ids
 from outbox.retention import PURGE_LOCK_KEY
+from publisher.cli import build_publisher
 from tests.support import (
     fetch_rows,
     make_uncertain,
     publish_until_idle,
+    publisher_config,
     run_outbox_cli,
     small_topic,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -182,3 +186,39 @@ def test_one_purge_at_a_time(database_url: str) -> None:
         other.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK_KEY,))
     done = run_outbox_cli(database_url, "purge", "--delivered-older-than", "1d")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_publisher_purges_at_its_interval(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """With --purge-delivered-after, the publisher deletes what it delivered once old enough."""
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(conn, [outbox.Message(topic, b"v") for _ in range(20)])
+    config = publisher_config(
+        database_url,
+        kafka_bootstrap,
+        exit_when_idle=False,
+        purge_delivered_after="1s",
+        purge_evidence_after="1s",
+        purge_interval=0.3,
+    )
+    publisher = build_publisher(config)
+    runner = threading.Thread(target=publisher.run)
+    runner.start()
+    try:
+        wait_until(
+            lambda: (
+                _count(database_url, "SELECT count(*) FROM outbox.messages") == 0
+                and _count(database_url, "SELECT count(*) FROM outbox.attempts") == 0
+            ),
+            timeout=30,
+            what="the delivered messages and their evidence to be purged",
+        )
+    finally:
+        publisher.request_stop()
+        runner.join(timeout=30)
+    assert not runner.is_alive()
+    assert publisher.totals.delivered == len(ids)
+    registry = publisher.metrics.registry
+    for table in ("messages", "attempts"):
+        assert registry.get_sample_value("outbox_purged_rows_total", {"table": table}) == len(ids)
