@@ -46,16 +46,28 @@ class KafkaLogScanner:
     """Scans with a kafka-python consumer that belongs to no group and commits nothing."""
 
     def __init__(self, bootstrap_servers: str, *, timeout_seconds: float = 60.0) -> None:
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap_servers,
-            client_id="outbox-reconciler",
-            group_id=None,
-            enable_auto_commit=False,
-            # Fail within seconds when the broker is away, instead of the
-            # consumer's default of five minutes; the pass is simply retried.
-            request_timeout_ms=15_000,
-        )
+        self._bootstrap_servers = bootstrap_servers
         self._timeout = timeout_seconds
+        self._open: KafkaConsumer | None = None
+
+    @property
+    def _consumer(self) -> KafkaConsumer:
+        """The consumer, connected on first use.
+
+        So a publisher starts while Kafka is away; its reconciliation passes
+        are postponed until Kafka answers.
+        """
+        if self._open is None:
+            self._open = KafkaConsumer(
+                bootstrap_servers=self._bootstrap_servers,
+                client_id="outbox-reconciler",
+                group_id=None,
+                enable_auto_commit=False,
+                # Fail within seconds when the broker is away, instead of the
+                # consumer's default of five minutes; the pass is simply retried.
+                request_timeout_ms=15_000,
+            )
+        return self._open
 
     def partition_count(self, topic: str) -> int | None:
         """Ask the broker (fresh metadata) how many partitions the topic has."""
@@ -99,5 +111,7 @@ class KafkaLogScanner:
         return found
 
     def close(self) -> None:
-        """Close the consumer."""
-        self._consumer.close()
+        """Close the consumer, if it was ever opened."""
+        if self._open is not None:
+            self._open.close()
+            self._open = None
