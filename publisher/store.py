@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -196,6 +196,7 @@ class PublisherStore:
         rows = self.conn.execute(
             query("claim_batch"),
             {"limit": limit, "owner": self.publisher_id, "lease_seconds": float(lease_seconds)},
+            binary=True,
         ).fetchall()
         if not rows:
             return None
@@ -250,17 +251,17 @@ class PublisherStore:
         rows = self.conn.execute(
             query("settle_batch"),
             {
-                "ids": [s.message_id for s in settlements],
-                "fences": [s.fence for s in settlements],
-                "states": [s.state.value for s in settlements],
-                "outcomes": [s.attempt_outcome for s in settlements],
-                "partitions": [s.partition for s in settlements],
-                "offsets": [s.offset for s in settlements],
-                "retry_after": [float(s.retry_after) for s in settlements],
-                "errors": [s.error for s in settlements],
-                "send_began": [s.send_began for s in settlements],
-                "failures": [s.counts_as_failure for s in settlements],
-                "send_alone": [s.send_alone for s in settlements],
+                "ids": array_literal(s.message_id for s in settlements),
+                "fences": array_literal(s.fence for s in settlements),
+                "states": array_literal(s.state.value for s in settlements),
+                "outcomes": array_literal(s.attempt_outcome for s in settlements),
+                "partitions": array_literal(s.partition for s in settlements),
+                "offsets": array_literal(s.offset for s in settlements),
+                "retry_after": array_literal(float(s.retry_after) for s in settlements),
+                "errors": array_literal(s.error for s in settlements),
+                "send_began": array_literal(s.send_began for s in settlements),
+                "failures": array_literal(s.counts_as_failure for s in settlements),
+                "send_alone": array_literal(s.send_alone for s in settlements),
                 "publisher": self.publisher_id,
                 "batch_id": batch.id,
             },
@@ -310,3 +311,24 @@ class PublisherStore:
         """Seconds until a message needs a publisher; ``None`` if none will."""
         row = self.conn.execute(query("seconds_until_due")).fetchone()
         return None if row is None or row[0] is None else float(row[0])
+
+
+def array_literal(values: Iterable[object]) -> str:
+    """PostgreSQL's text form of an array of ``values`` (None is NULL), for ``%s::type[]``.
+
+    psycopg dumps a list element by element in Python, with a regular
+    expression per text element: about a third of a 1,000-message settle.
+    One string built here costs a small fraction of that, and PostgreSQL
+    parses it in C. Text is always quoted, so any character is safe.
+    """
+    parts = []
+    for v in values:
+        if v is None:
+            parts.append("NULL")
+        elif isinstance(v, bool):
+            parts.append("t" if v else "f")
+        elif isinstance(v, int | float | uuid.UUID):
+            parts.append(str(v))
+        else:
+            parts.append('"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return "{" + ",".join(parts) + "}"
