@@ -140,6 +140,7 @@ def build_publisher(
         Waker(config.database_url),
         reconciler=reconciler,
         heartbeat_store=PublisherStore(config.database_url, publisher_id),
+        claim_ahead_store=PublisherStore(config.database_url, publisher_id),
         faults=faults,
         version=outbox.__version__,
         pid=os.getpid(),

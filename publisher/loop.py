@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -96,11 +97,17 @@ class Publisher:
         kafka_check: Callable[[], None] | None = None,
         kafka_probe_interval: float = 10.0,
         retention: RetentionRunner | None = None,
+        claim_ahead_store: PublisherStore | None = None,
     ) -> None:
         self.config = config
         self.store = store
         #: Runs retention (``outbox purge``) in the background, when configured.
         self.retention = retention
+        #: With a store of its own (its own connection), the next batch is
+        #: claimed in a worker thread while this one is being sent.
+        self._ahead_store = claim_ahead_store
+        self._ahead: Future[Batch | None] | None = None
+        self._ahead_worker: ThreadPoolExecutor | None = None
         self.sink = sink
         self.waker = waker or Waker(None)
         self.reconciler = reconciler
@@ -222,6 +229,7 @@ class Publisher:
         return t
 
     def _shut_down(self) -> None:
+        self._release_claimed_ahead()
         self.health.loop_ended()
         if self.retention is not None:
             self.retention.stop()
@@ -248,7 +256,7 @@ class Publisher:
         """Claim, send and settle one batch; return how many messages it claimed."""
         started = self._clock()
         self._failure_class.clear()
-        batch = self.store.claim(self.config.batch_size, self.config.lease_seconds)
+        batch = self._take_claim()
         if batch is None:
             return 0
         self._progress()
@@ -271,6 +279,7 @@ class Publisher:
         if sendable:
             held = self.store.mark_sending(batch, counts, self.config.longest_send_seconds)
             self._progress()
+            self._claim_ahead()
             self._count_lost_before_sending(batch, held)
             sendable = [m for m in sendable if m.id in held]
         records = [
@@ -302,6 +311,55 @@ class Publisher:
                     self._settlement(m, report, record.partition, shared=m.id in suspects)
                 )
         return settlements
+
+    # --- claiming ahead ----------------------------------------------------------
+
+    def _take_claim(self) -> Batch | None:
+        """The batch claimed ahead while the last one was sent, or a claim now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            batch = ahead.result()  # raises what the claim raised
+            if batch is not None:
+                return batch
+            # Nothing was claimable then (its keys were in flight): they may be now.
+        return self.store.claim(self.config.batch_size, self.config.lease_seconds)
+
+    def _claim_ahead(self) -> None:
+        """Start claiming the next batch, on the other connection, while this one is sent.
+
+        The claim takes only what is claimable now: a key with a message in
+        this batch is held until the batch settles, so per-key order is kept
+        exactly as between two publishers.
+        """
+        if self._ahead_store is None or self._ahead is not None or self._stopping.is_set():
+            return
+        if self._ahead_worker is None:
+            self._ahead_worker = ThreadPoolExecutor(1, thread_name_prefix="outbox-claim-ahead")
+        self._ahead = self._ahead_worker.submit(
+            self._ahead_store.claim, self.config.batch_size, self.config.lease_seconds
+        )
+
+    def _release_claimed_ahead(self) -> None:
+        """On stop: give back, unsent, a batch claimed ahead; then end the worker."""
+        ahead, self._ahead = self._ahead, None
+        try:
+            batch = ahead.result() if ahead is not None else None
+        except psycopg.Error as exc:
+            log.warning("claiming ahead failed while stopping: %s", exc)
+            batch = None
+        if batch is not None:
+            try:
+                self._settle(batch, [self._release(m) for m in batch.messages])
+            except psycopg.Error as exc:
+                # Never sent: recovery returns them to pending when the lease ends.
+                log.warning(
+                    "could not release %d messages claimed ahead: %s", len(batch.messages), exc
+                )
+        if self._ahead_worker is not None:
+            self._ahead_worker.shutdown()
+            self._ahead_worker = None
+        if self._ahead_store is not None:
+            self._ahead_store.close()
 
     def _describe_topics(self, batch: Batch) -> tuple[dict[str, int], dict[uuid.UUID, Settlement]]:
         """Each topic's partition count; the settlements of messages whose topic failed it."""
