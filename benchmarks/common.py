@@ -1,0 +1,315 @@
+"""What the benchmarks share: databases, topics, publisher processes, CPU time, results.
+
+Every benchmark keeps its results under a key of its own in the one shared
+``benchmarks/results/latest.json``: ``record_results`` reads the file,
+replaces that key and writes it back, leaving the other benchmarks' keys as
+they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+from psycopg import sql
+from throughput import KEYS, PARTITIONS, make_records, new_topic
+
+from outbox.migrations import migrate
+
+__all__ = [
+    "KEYS",
+    "PARTITIONS",
+    "RESULTS",
+    "Cpu",
+    "database_url",
+    "environment",
+    "make_records",
+    "new_topic",
+    "percentile",
+    "record_results",
+    "start_publisher",
+    "stop_publisher",
+    "temporary_database",
+]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS = RESULTS_DIR / "latest.json"
+PUBLISHER = Path(sys.executable).parent / "outbox-publisher"
+
+
+def environment() -> tuple[str, str]:
+    """``OUTBOX_DATABASE_URL`` and ``OUTBOX_KAFKA_BOOTSTRAP``, or exit saying what is missing."""
+    try:
+        return os.environ["OUTBOX_DATABASE_URL"], os.environ["OUTBOX_KAFKA_BOOTSTRAP"]
+    except KeyError as exc:
+        raise SystemExit(f"{exc.args[0]} is not set (. ./.services.env, or make bench)") from None
+
+
+# --- results ---------------------------------------------------------------------
+
+
+def stamp() -> dict[str, Any]:
+    """Date and machine, for every entry of the results file."""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def record_results(name: str, entry: dict[str, Any]) -> None:
+    """Replace the key ``name`` of the shared results file, keeping every other key.
+
+    A file in the older flat form of one benchmark (a top-level ``benchmark``
+    field) is kept under that benchmark's name.
+    """
+    results: dict[str, Any] = {}
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        loaded = json.loads(RESULTS.read_text())
+        if isinstance(loaded, dict):
+            results = loaded
+    if isinstance(results.get("benchmark"), str):
+        results = {results["benchmark"]: results}
+    results[name] = {**stamp(), **entry}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    partial = RESULTS.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(results, indent=2) + "\n")
+    partial.replace(RESULTS)
+
+
+# --- numbers ---------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank percentile ``p`` (0-100) of ``values``."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(math.ceil(p / 100 * len(ordered)), 1)
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+# --- databases -------------------------------------------------------------------
+
+
+def database_url(url: str, name: str) -> str:
+    """``url`` pointing at the database ``name`` instead."""
+    return urlsplit(url)._replace(path=f"/{name}").geturl()
+
+
+def create_database(base_url: str, name: str, *, template: str | None = None) -> str:
+    """Create the database ``name`` (a copy of ``template`` if given); return its URL."""
+    statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template is not None:
+        # FILE_COPY copies the files after a checkpoint instead of writing every
+        # page of a large template to the WAL (PostgreSQL 15's default).
+        statement = sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY = FILE_COPY").format(
+            sql.Identifier(name), sql.Identifier(template)
+        )
+    with psycopg.connect(database_url(base_url, "postgres"), autocommit=True) as admin:
+        admin.execute(statement)
+    return database_url(base_url, name)
+
+
+def drop_database(base_url: str, name: str) -> None:
+    """Drop the database ``name`` if it exists, disconnecting whoever is still in it."""
+    with psycopg.connect(database_url(base_url, "postgres"), autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@contextlib.contextmanager
+def temporary_database(
+    base_url: str, prefix: str, *, template: str | None = None
+) -> Iterator[tuple[str, str]]:
+    """A fresh migrated database (or a copy of ``template``), dropped afterwards.
+
+    Yields its name and URL.
+    """
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    url = create_database(base_url, name, template=template)
+    try:
+        if template is None:
+            migrate(url)
+        yield name, url
+    finally:
+        drop_database(base_url, name)
+
+
+# --- publisher processes ---------------------------------------------------------
+
+
+def start_publisher(url: str, bootstrap: str, *flags: str) -> subprocess.Popen[bytes]:
+    """Start the real ``outbox-publisher`` against ``url``; its log goes to our stderr."""
+    env = {**os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_KAFKA_BOOTSTRAP": bootstrap}
+    return subprocess.Popen(
+        [str(PUBLISHER), "--http-port", "0", "--log-level", "WARNING", *flags],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def stop_publisher(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """SIGTERM (it finishes its batch and exits 0), then SIGKILL if it takes too long."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+def wait_for_publishers(url: str, count: int, timeout: float = 30.0) -> None:
+    """Wait until ``count`` publishers listen for NOTIFY and own every lane between them."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            listening, lanes = conn.execute(
+                """
+                SELECT (SELECT count(*) FROM pg_stat_activity
+                        WHERE datname = current_database()
+                          AND application_name = 'outbox-publisher listener'
+                          AND query LIKE 'LISTEN%'),
+                       (SELECT count(*) FROM outbox.lanes
+                        WHERE owner IS NOT NULL AND lease_expires_at > now())
+                """
+            ).fetchone() or (0, 0)
+            if listening >= count and lanes == 32:  # schema/0004 has 32 lanes
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"publishers not ready after {timeout:g}s: "
+                    f"{listening} listening, {lanes} lanes owned"
+                )
+            time.sleep(0.05)
+
+
+# --- CPU time --------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of one process so far (``None`` once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    # After the command name: state is field 3, utime 14 and stime 15 (1-based).
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def children_of(parent: int) -> list[int]:
+    """Pids of the live processes whose parent is ``parent``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append(int(entry.name))
+    return found
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """CPU seconds the whole machine spent busy and idle so far (from /proc/stat)."""
+    first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in first]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return (sum(ticks[:8]) - idle) / _TICK, idle / _TICK
+
+
+class Cpu:
+    """CPU seconds used by named groups of processes between ``sample()`` calls.
+
+    Processes come and go (PostgreSQL backends, publishers), so each pid's
+    last reading is kept and the group's use is the sum over its pids of last
+    minus first reading; call ``sample()`` often enough (say every 0.2 s) to
+    catch a short-lived process before it ends.
+    """
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str, int], float] = {}
+        self._last: dict[tuple[str, int], float] = {}
+        self._machine_start = machine_busy_seconds()
+        self._machine_end = self._machine_start
+
+    def sample(self, groups: Mapping[str, Sequence[int]], *, new_from_zero: bool = False) -> None:
+        """Read each group's processes; a pid seen for the first time starts at its reading,
+        or at zero with ``new_from_zero`` (a process started inside the measured span)."""
+        for group, pids in groups.items():
+            for pid in pids:
+                seconds = cpu_seconds(pid)
+                if seconds is None:
+                    continue
+                key = (group, pid)
+                self._first.setdefault(key, 0.0 if new_from_zero else seconds)
+                self._last[key] = seconds
+        self._machine_end = machine_busy_seconds()
+
+    def used(self) -> dict[str, float]:
+        """CPU seconds per group so far."""
+        totals: dict[str, float] = {}
+        for key, last in self._last.items():
+            totals[key[0]] = totals.get(key[0], 0.0) + last - self._first[key]
+        return totals
+
+    def machine(self) -> tuple[float, float]:
+        """Busy and idle CPU seconds of the whole machine over the samples."""
+        return (
+            self._machine_end[0] - self._machine_start[0],
+            self._machine_end[1] - self._machine_start[1],
+        )
+
+
+def postgres_pids() -> list[int]:
+    """The postmaster and every process it started (backends and background workers)."""
+    main = _postmaster_pid()
+    return [main, *children_of(main)] if main else []
+
+
+def _postmaster_pid() -> int | None:
+    for pidfile in Path(__file__).resolve().parent.parent.glob(".services/postgres/data/*.pid"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(pidfile.read_text().split()[0])
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                if cmd and cmd[0].endswith(b"postgres") and b"-D" in cmd:
+                    return int(entry.name)
+    return None
+
+
+def kafka_pids() -> list[int]:
+    """The Kafka broker's JVM."""
+    pidfile = Path(__file__).resolve().parent.parent / ".services" / "kafka" / "broker.pid"
+    with contextlib.suppress(OSError, ValueError):
+        return [int(pidfile.read_text().split()[0])]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if b"kafka.Kafka" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
