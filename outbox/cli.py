@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import psycopg.errors
+from kafka.errors import KafkaError
 
 from outbox import render
 from outbox.errors import OutboxError
@@ -123,10 +124,11 @@ def _parser() -> argparse.ArgumentParser:
     purge_cmd = commands.add_parser(
         "purge",
         help="delete delivered messages older than a period, in small batches",
-        description="Retention. Delete delivered messages delivered longer ago than "
-        "--delivered-older-than, and the evidence (attempts, decisions, batches) of purged "
-        "messages once older than --evidence-older-than. Never deletes a message that is not "
-        "delivered, nor the evidence of one that exists. Works in short transactions of "
+        description="Retention. Delete delivered messages enqueued and delivered longer ago "
+        "than --delivered-older-than; then the attempts and decisions of purged messages, "
+        "and batches no in-flight or uncertain message needs, once older than "
+        "--evidence-older-than. Never deletes a message that is not delivered, nor the "
+        "attempts and decisions of one that exists. Works in short transactions of "
         "--batch-size rows, so it can run next to the publishers. Note that a purged "
         "message's idempotency key can be used again.",
     )
@@ -231,11 +233,10 @@ def _status(args: argparse.Namespace) -> int:
     with psycopg.connect(args.database_url) as conn:
         lines = read_status(conn)
         held = read_held_keys(conn)
-    if args.topic is not None:
-        lines = [line for line in lines if line.topic == args.topic]
-        held = [h for h in held if h.topic == args.topic]
-    print(render.status_json(lines, held) if args.json else render.status_text(lines, held))
-    return EXIT_OK if all(line.healthy for line in lines) else EXIT_ACTION_NEEDED
+    show = render.status_json if args.json else render.status_text
+    print(show(lines, held, topic=args.topic))
+    shown = [line for line in lines if args.topic in (None, line.topic)]
+    return EXIT_OK if all(line.healthy for line in shown) else EXIT_ACTION_NEEDED
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -260,13 +261,16 @@ def _list(args: argparse.Namespace) -> int:
 
 def _purge(args: argparse.Namespace) -> int:
     with psycopg.connect(args.database_url) as conn:
-        report = purge(
-            conn,
-            delivered_older_than=args.delivered_older_than,
-            evidence_older_than=args.evidence_older_than,
-            batch_size=args.batch_size,
-            dry_run=args.dry_run,
-        )
+        try:
+            report = purge(
+                conn,
+                delivered_older_than=args.delivered_older_than,
+                evidence_older_than=args.evidence_older_than,
+                batch_size=args.batch_size,
+                dry_run=args.dry_run,
+            )
+        except ValueError as exc:
+            raise OutboxError(str(exc)) from exc
     if args.json:
         print(render.purge_json(report, dry_run=args.dry_run))
     else:
@@ -391,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except (OutboxError, psycopg.Error) as exc:
         print(f"outbox: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KafkaError as exc:
+        print(f"outbox: Kafka did not answer ({exc}); check --kafka-bootstrap", file=sys.stderr)
         return EXIT_ERROR
 
 

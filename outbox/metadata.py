@@ -127,6 +127,7 @@ messages = sa.Table(
         postgresql_where=sa.text("state IN ('in_flight', 'uncertain')"),
     ),
     sa.Index("messages_uncertain", "available_at", postgresql_where=sa.text("state = 'uncertain'")),
+    sa.Index("messages_quarantined", "topic", postgresql_where=sa.text("state = 'quarantined'")),
     sa.Index(
         "messages_open_keys",
         "key_hash",

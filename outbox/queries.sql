@@ -475,8 +475,25 @@ UPDATE outbox.publishers SET stopped_at = now(), heartbeat_at = now() WHERE id =
 -- name: status
 SELECT topic, state, messages, oldest_created_at, oldest_age_seconds, waiting_retry, retrying,
        attempts, max_failures, lease_owners, next_lease_expiry, leases_expired, escalated,
-       held_keys, live_publishers, healthy, next_action
+       overdue, held_keys, live_publishers, healthy, next_action
 FROM outbox.status
+
+-- name: open_status
+-- The open states per topic, for the metrics at every scrape: each is read
+-- through its own partial index, so the cost follows the open messages, not
+-- the delivered ones kept for retention (outbox.status counts those too).
+SELECT topic, 'pending' AS state, count(*),
+       extract(epoch FROM now() - min(created_at))::float8
+FROM outbox.messages WHERE state = 'pending' GROUP BY topic
+UNION ALL
+SELECT topic, 'in_flight', count(*), extract(epoch FROM now() - min(created_at))::float8
+FROM outbox.messages WHERE state = 'in_flight' GROUP BY topic
+UNION ALL
+SELECT topic, 'uncertain', count(*), extract(epoch FROM now() - min(created_at))::float8
+FROM outbox.messages WHERE state = 'uncertain' GROUP BY topic
+UNION ALL
+SELECT topic, 'quarantined', count(*), extract(epoch FROM now() - min(created_at))::float8
+FROM outbox.messages WHERE state = 'quarantined' GROUP BY topic
 
 -- name: message
 -- One message, for outbox inspect; value_bytes instead of the payload.
@@ -518,7 +535,7 @@ ORDER BY decided_at, id
 SELECT h.held_by, h.state, h.reason
 FROM outbox.messages AS m
 JOIN outbox.held_keys AS h ON h.topic = m.topic AND h.key = m.key
-WHERE m.id = %(id)s AND h.held_by <> m.id
+WHERE m.id = %(id)s AND m.state = 'pending' AND h.held_by <> m.id
 
 -- name: list_messages
 -- Messages in one state, oldest first; one more than asked shows there are more.
@@ -569,6 +586,7 @@ deleted AS (
     DELETE FROM outbox.attempts AS a
     USING scanned AS s
     WHERE a.message_id = s.message_id AND a.attempt = s.attempt
+      AND coalesce(a.finished_at, a.started_at) < now() - %(age)s::interval
       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = a.message_id)
     RETURNING 1
 ),
@@ -578,6 +596,7 @@ SELECT (SELECT message_id FROM last), (SELECT attempt FROM last), (SELECT count(
 -- name: count_attempts_to_purge
 SELECT count(*) FROM outbox.attempts AS a
 WHERE a.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
+  AND coalesce(a.finished_at, a.started_at) < now() - %(age)s::interval
   AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = a.message_id)
 
 -- name: purge_decisions
@@ -593,6 +612,7 @@ deleted AS (
     DELETE FROM outbox.decisions AS d
     USING scanned AS s
     WHERE d.id = s.id
+      AND d.decided_at < now() - %(age)s::interval
       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id)
     RETURNING 1
 ),
@@ -602,27 +622,31 @@ SELECT (SELECT message_id FROM last), (SELECT id FROM last), (SELECT count(*) FR
 -- name: count_decisions_to_purge
 SELECT count(*) FROM outbox.decisions AS d
 WHERE d.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
+  AND d.decided_at < now() - %(age)s::interval
   AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id)
 
 -- name: purge_batches
 -- One bounded step: batches claimed before the cutoff, except those an
 -- in-flight or uncertain message still needs for recovery or reconciliation.
--- Returns the last id looked at, NULL once past the cutoff.
+-- Batch ids grow with their claim time, so the walk ends (NULL) at the first
+-- batch claimed after the cutoff.
 WITH scanned AS (
-    SELECT id FROM outbox.batches
-    WHERE id > %(after)s AND claimed_at < now() - %(age)s::interval
+    SELECT id, claimed_at < now() - %(age)s::interval AS old
+    FROM outbox.batches
+    WHERE id > %(after)s
     ORDER BY id
     LIMIT %(limit)s
 ),
 deleted AS (
     DELETE FROM outbox.batches AS b
     USING scanned AS s
-    WHERE b.id = s.id
+    WHERE b.id = s.id AND s.old
       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
                       WHERE m.batch_id = b.id AND m.state IN ('in_flight', 'uncertain'))
     RETURNING 1
 )
-SELECT (SELECT max(id) FROM scanned), 0, (SELECT count(*) FROM deleted)
+SELECT CASE WHEN bool_and(s.old) THEN max(s.id) END, 0, (SELECT count(*) FROM deleted)
+FROM scanned AS s
 
 -- name: count_batches_to_purge
 SELECT count(*) FROM outbox.batches AS b

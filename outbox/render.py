@@ -92,21 +92,29 @@ def _line_json(line: StatusLine) -> dict[str, Any]:
     return d
 
 
-def status_json(lines: list[StatusLine], held: list[HeldKey]) -> str:
-    """``outbox status --json``."""
-    overall = [line for line in lines if line.topic is None]
+def _summary(lines: list[StatusLine], topic: str | None) -> list[StatusLine]:
+    """The lines a status report is summed up from: over all topics, or one topic's."""
+    return [line for line in lines if line.topic == topic]
+
+
+def status_json(lines: list[StatusLine], held: list[HeldKey], *, topic: str | None = None) -> str:
+    """``outbox status --json`` (``topic``: only that topic's lines and held keys)."""
+    summary = _summary(lines, topic)
     topics: dict[str, list[dict[str, Any]]] = {}
     for line in lines:
-        if line.topic is not None:
+        if line.topic is not None and topic in (None, line.topic):
             topics.setdefault(line.topic, []).append(_line_json(line))
+    shown = [line for line in lines if topic in (None, line.topic)]
     return to_json(
         {
-            "healthy": all(line.healthy for line in lines),
-            "live_publishers": overall[0].live_publishers if overall else 0,
-            "counts": {line.state: line.messages for line in overall},
-            "states": [_line_json(line) for line in overall],
+            "healthy": all(line.healthy for line in shown),
+            # Every line carries it; the all-topics lines always exist.
+            "live_publishers": lines[0].live_publishers if lines else 0,
+            "topic": topic,
+            "counts": {line.state: line.messages for line in summary},
+            "states": [_line_json(line) for line in summary],
             "topics": topics,
-            "held_keys": [asdict(h) for h in held],
+            "held_keys": [asdict(h) for h in held if topic in (None, h.topic)],
         }
     )
 
@@ -127,25 +135,29 @@ def _status_rows(lines: list[StatusLine], *, with_topic: bool) -> list[list[str]
     return rows
 
 
-def status_text(lines: list[StatusLine], held: list[HeldKey]) -> str:
-    """``outbox status``: states over all topics, then per topic, leases, held keys."""
-    overall = [line for line in lines if line.topic is None]
-    per_topic = [line for line in lines if line.topic is not None]
-    live = overall[0].live_publishers if overall else 0
-    healthy = all(line.healthy for line in lines)
+def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | None = None) -> str:
+    """``outbox status``: states over all topics (or one), then per topic, leases, held keys."""
+    summary = _summary(lines, topic)
+    per_topic = [line for line in lines if line.topic is not None and topic is None]
+    held = [h for h in held if topic in (None, h.topic)]
+    live = lines[0].live_publishers if lines else 0
+    healthy = all(line.healthy for line in summary + per_topic)
     out = [
         f"outbox: {'healthy' if healthy else 'ACTION NEEDED'}; {live} publisher(s) running",
         "",
-        "ALL TOPICS",
-        table(_status_rows(overall, with_topic=False), right=frozenset({1, 3, 4})),
+        "ALL TOPICS" if topic is None else f"TOPIC {topic} (states with messages)",
     ]
+    if summary:
+        out.append(table(_status_rows(summary, with_topic=False), right=frozenset({1, 3, 4})))
+    else:
+        out.append("no messages")
     if per_topic:
         out += [
             "",
             "BY TOPIC (states with messages)",
             table(_status_rows(per_topic, with_topic=True), right=frozenset({2, 4, 5})),
         ]
-    in_flight = next((x for x in overall if x.state == "in_flight" and x.messages), None)
+    in_flight = next((x for x in summary if x.state == "in_flight" and x.messages), None)
     if in_flight is not None:
         owners = ", ".join(str(o) for o in in_flight.lease_owners)
         out += [

@@ -22,6 +22,7 @@ started meanwhile raises ``PurgeBusy`` instead of deleting the same rows twice.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from collections.abc import Callable
@@ -100,6 +101,11 @@ def purge(
     ):
         if age <= timedelta(0):
             raise ValueError(f"{name} must be longer than zero, got {age}")
+    if evidence_older_than < delivered_older_than:
+        raise ValueError(
+            f"the evidence window ({evidence_older_than}) must be at least the delivered window "
+            f"({delivered_older_than}): evidence is kept after its message is purged"
+        )
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)
     locked = conn.execute("SELECT pg_try_advisory_lock(%s)", (PURGE_LOCK_KEY,)).fetchone()
@@ -109,8 +115,12 @@ def purge(
     try:
         return _purge(conn, delivered_older_than, evidence_older_than, batch_size, should_stop)
     finally:
-        conn.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK_KEY,))
-        conn.commit()
+        # A failed step leaves its transaction aborted: end it first. If the
+        # connection itself is gone, so is the lock; the first error stands.
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
+            conn.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK_KEY,))
+            conn.commit()
 
 
 def _purge(

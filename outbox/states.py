@@ -20,3 +20,7 @@ class State(StrEnum):
     QUARANTINED = "quarantined"
     #: An operator decided it will not be delivered.
     DISCARDED = "discarded"
+
+
+#: States a message can still leave: it is not finished.
+OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNCERTAIN, State.QUARANTINED)

@@ -35,6 +35,8 @@ class StatusLine:
     leases_expired: int
     #: Uncertain messages the reconciler could not decide: an operator must.
     escalated: int
+    #: Uncertain messages still undecided 5 minutes after they became decidable.
+    overdue: int
     #: Keys held back by a message in this state.
     held_keys: int
     live_publishers: int
@@ -48,6 +50,27 @@ def read_status(conn: psycopg.Connection[Any]) -> list[StatusLine]:
     with conn.cursor() as cur:
         cur.execute(query("status"))
         return [StatusLine(*row) for row in cur.fetchall()]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenCount:
+    """How many messages of one topic are in one open state, and the oldest one's age."""
+
+    topic: str
+    state: str
+    messages: int
+    oldest_age_seconds: float | None
+
+
+def read_open_status(conn: psycopg.Connection[Any]) -> list[OpenCount]:
+    """Counts of the open states per topic, read through their partial indexes.
+
+    Cheap enough for every metrics scrape however many delivered messages
+    retention keeps; ``read_status`` counts every state and reads every row.
+    """
+    with conn.cursor() as cur:
+        cur.execute(query("open_status"))
+        return [OpenCount(*row) for row in cur.fetchall()]
 
 
 @dataclass(frozen=True, slots=True)

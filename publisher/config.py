@@ -104,7 +104,7 @@ class PublisherConfig:
         if problems:
             raise ConfigError(_heading(problems))
 
-    def problems(self) -> list[Problem]:  # noqa: PLR0912 - one flat check per setting reads best
+    def problems(self) -> list[Problem]:  # noqa: PLR0912, PLR0915 - one flat check per setting reads best
         """Every problem of this config, each with the settings it concerns."""
         problems: list[Problem] = []
 
@@ -168,13 +168,31 @@ class PublisherConfig:
                 f"take (delivery + request timeout = {self.longest_send_seconds:g}s), or a "
                 "batch could still be in flight when its lease expires",
             )
+        windows = {}
         for name in ("purge_delivered_after", "purge_evidence_after"):
             text = getattr(self, name)
             if text or name == "purge_evidence_after":
                 try:
-                    parse_duration(text)
+                    windows[name] = parse_duration(text)
                 except ValueError as exc:
                     problem(name, f"{name.replace('_', ' ')}: {exc}")
+        if len(windows) == 2 and windows["purge_evidence_after"] < windows["purge_delivered_after"]:
+            problem(
+                "purge_evidence_after purge_delivered_after",
+                f"purge evidence after ({self.purge_evidence_after}) must be at least purge "
+                f"delivered after ({self.purge_delivered_after}): evidence outlives its message",
+            )
+        for name, least in (
+            ("linger_ms", 0),
+            ("max_block_ms", 1),
+            ("request_timeout_ms", 1),
+            ("delivery_timeout_ms", 1),
+        ):
+            if getattr(self, name) < least:
+                problem(
+                    name,
+                    f"{name.replace('_', ' ')} must be at least {least}, got {getattr(self, name)}",
+                )
         if self.purge_interval <= 0:
             problem("purge_interval", f"purge interval must be positive, got {self.purge_interval}")
         if not 0 <= self.http_port <= 65535:

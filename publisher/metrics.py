@@ -32,8 +32,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from outbox.retention import PurgeReport
-from outbox.states import State
-from outbox.status import read_status
+from outbox.states import OPEN_STATES, State
+from outbox.status import read_open_status
 from publisher.health import Health
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ COMMIT_TO_ACK_BUCKETS = (
 
 
 class StatusRow(Protocol):
-    """One line of ``outbox.status.read_status``: a state's count, per topic or overall."""
+    """A state's count in one topic (``outbox.status.read_open_status``), or overall."""
 
     @property
     def topic(self) -> str | None:
@@ -255,16 +255,17 @@ class StatusCollector(Collector):
         counts: dict[str, dict[str, int]] = {}
         oldest: dict[str, float] = {}
         for row in rows:
-            if row.topic is None:
-                continue  # the all-topics lines: sum(outbox_messages) gives them
-            states = counts.setdefault(row.topic, {s.value: 0 for s in State})
+            if row.topic is None or row.state not in OPEN_STATES:
+                continue  # all-topics lines (sum gives them) and finished states
+            states = counts.setdefault(row.topic, {s.value: 0 for s in OPEN_STATES})
             states[row.state] = states.get(row.state, 0) + int(row.messages)
             if row.state == State.PENDING.value and row.oldest_age_seconds is not None:
                 oldest[row.topic] = max(oldest.get(row.topic, 0.0), float(row.oldest_age_seconds))
         messages = GaugeMetricFamily(
             "outbox_messages",
-            "Messages in the outbox by topic and state (read from the database at scrape time, "
-            "cached a few seconds).",
+            "Messages in the open states (pending, in_flight, uncertain, quarantined) by topic, "
+            "for each topic with open messages (read from the database at scrape time, cached "
+            "a few seconds; outbox_deliveries_total counts deliveries).",
             labels=["topic", "state"],
         )
         age = GaugeMetricFamily(
@@ -331,7 +332,7 @@ class StatusReader:
         timeout_seconds: int = 5,
     ) -> None:
         self._conninfo = conninfo
-        self._read = read or read_status
+        self._read = read or read_open_status
         self._timeout = timeout_seconds
         self._conn: psycopg.Connection[Any] | None = None
         self._closed = False

@@ -32,6 +32,9 @@ $$;
 DROP INDEX outbox.messages_batch;
 CREATE INDEX messages_batch ON outbox.messages (batch_id)
     WHERE state IN ('in_flight', 'uncertain');
+-- The open states are counted through their partial indexes (the metrics read
+-- them at every scrape): pending, in flight and uncertain have theirs already.
+CREATE INDEX messages_quarantined ON outbox.messages (topic) WHERE state = 'quarantined';
 
 UPDATE outbox.states SET next_action = CASE state
     WHEN 'pending' THEN 'none while a publisher runs; if none does, start outbox-publisher'
@@ -63,16 +66,23 @@ counted AS (
            min(m.created_at)                                             AS oldest_created_at,
            count(*) FILTER (WHERE m.state = 'pending' AND m.available_at > now())
                                                                          AS waiting_retry,
-           count(*) FILTER (WHERE m.failures > 0)                        AS retrying,
+           count(*) FILTER (WHERE m.failures > 0
+                              AND m.state NOT IN ('delivered', 'discarded')) AS retrying,
            coalesce(sum(m.attempts), 0)                                  AS attempts,
-           coalesce(max(m.failures), 0)                                  AS max_failures,
+           coalesce(max(m.failures) FILTER (
+               WHERE m.state NOT IN ('delivered', 'discarded')), 0)      AS max_failures,
            array_agg(DISTINCT m.lease_owner ORDER BY m.lease_owner)
                FILTER (WHERE m.state = 'in_flight')                      AS lease_owners,
            min(m.lease_expires_at) FILTER (WHERE m.state = 'in_flight')  AS next_lease_expiry,
            count(*) FILTER (WHERE m.state = 'in_flight' AND m.lease_expires_at < now())
                                                                          AS leases_expired,
            count(*) FILTER (WHERE m.state = 'uncertain' AND m.escalated_at IS NOT NULL)
-                                                                         AS escalated
+                                                                         AS escalated,
+           -- Uncertain, not escalated, and still undecided five minutes after
+           -- it became decidable: reconciliation is off or cannot reach Kafka.
+           count(*) FILTER (WHERE m.state = 'uncertain' AND m.escalated_at IS NULL
+                              AND m.available_at < now() - interval '5 minutes')
+                                                                         AS overdue
     FROM outbox.messages AS m
     GROUP BY GROUPING SETS ((m.topic, m.state), (m.state))
 ),
@@ -86,13 +96,15 @@ lines AS (
     -- states that have messages.
     SELECT NULL::text AS topic, s.state, s.position, s.healthy, s.next_action,
            c.messages, c.oldest_created_at, c.waiting_retry, c.retrying, c.attempts,
-           c.max_failures, c.lease_owners, c.next_lease_expiry, c.leases_expired, c.escalated
+           c.max_failures, c.lease_owners, c.next_lease_expiry, c.leases_expired, c.escalated,
+           c.overdue
     FROM outbox.states AS s
     LEFT JOIN counted AS c ON c.state = s.state AND c.all_topics
     UNION ALL
     SELECT c.topic, s.state, s.position, s.healthy, s.next_action,
            c.messages, c.oldest_created_at, c.waiting_retry, c.retrying, c.attempts,
-           c.max_failures, c.lease_owners, c.next_lease_expiry, c.leases_expired, c.escalated
+           c.max_failures, c.lease_owners, c.next_lease_expiry, c.leases_expired, c.escalated,
+           c.overdue
     FROM outbox.states AS s
     JOIN counted AS c ON c.state = s.state AND NOT c.all_topics
 )
@@ -109,12 +121,17 @@ SELECT l.topic,
        l.next_lease_expiry,
        coalesce(l.leases_expired, 0)                                AS leases_expired,
        coalesce(l.escalated, 0)                                     AS escalated,
+       coalesce(l.overdue, 0)                                       AS overdue,
        coalesce(h.held_keys, 0)                                     AS held_keys,
        live.publishers                                              AS live_publishers,
        CASE
            WHEN coalesce(l.messages, 0) = 0 THEN true
            WHEN l.state = 'pending' THEN live.publishers > 0
            WHEN l.state = 'in_flight' THEN l.leases_expired = 0
+           -- Waiting for the reconciler is no reason to call anyone, as long
+           -- as one runs and it keeps up.
+           WHEN l.state = 'uncertain'
+               THEN l.escalated = 0 AND l.overdue = 0 AND live.publishers > 0
            ELSE l.healthy
        END                                                          AS healthy,
        CASE
@@ -129,12 +146,16 @@ SELECT l.topic,
            WHEN l.state = 'in_flight' THEN 'none while the leases are live'
            WHEN l.state = 'uncertain' AND l.escalated > 0 THEN format(
                '%s escalated: the evidence in Kafka is gone; check the topic and decide each '
-               'with outbox resolve ID --delivered|--pending|--discard '
+               'with outbox resolve ID --delivered|--pending|--discard --reason TEXT '
                '(outbox list --state uncertain)',
                l.escalated)
            WHEN l.state = 'uncertain' AND live.publishers = 0
                THEN 'no publisher is running to reconcile them: start outbox-publisher, '
                     'or run outbox reconcile'
+           WHEN l.state = 'uncertain' AND l.overdue > 0 THEN format(
+               '%s undecided 5 minutes past their write deadline: check that publishers '
+               'reconcile (--reconcile-interval above 0) and reach Kafka, or run '
+               'outbox reconcile', l.overdue)
            ELSE l.next_action
        END                                                          AS next_action
 FROM lines AS l

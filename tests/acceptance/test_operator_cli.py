@@ -199,8 +199,56 @@ def test_status_shows_every_state_per_topic_and_overall_with_the_next_action(
     assert "BY TOPIC" in table.stdout
 
     only = _json(scene, "status", "--topic", scene.small, code=1)
+    assert only["topic"] == scene.small
     assert only["topics"].keys() == {scene.small}
-    assert only["states"] == []
+    assert only["counts"] == {"pending": 1, "quarantined": 1}
+    assert [h["topic"] for h in only["held_keys"]] == [scene.small]
+    one = run_outbox_cli(scene.url, "status", "--topic", scene.topic)
+    assert f"TOPIC {scene.topic}" in one.stdout
+    assert f"IN FLIGHT: 1 message(s) leased by {scene.dead_publisher}" in one.stdout
+    assert "HELD KEYS (" not in one.stdout  # the held key is in the other topic
+
+
+def test_with_a_publisher_running_waiting_is_healthy_until_it_is_not(scene: Scene) -> None:
+    """With a live publisher, pending and fresh uncertain are healthy; overdue or escalated not."""
+    store = claiming_store(scene.url)  # a live publisher: it holds every lane
+    try:
+        report = _json(scene, "status", code=1)  # the expired lease and quarantined remain
+        assert report["live_publishers"] == 1
+        lines = {line["state"]: line for line in report["states"]}
+        assert lines["pending"]["healthy"] is True
+        assert lines["pending"]["next_action"] == "none: a publisher will claim them"
+        assert lines["uncertain"]["healthy"] is True
+        assert lines["uncertain"]["next_action"].startswith("wait: the reconciler decides")
+
+        with psycopg.connect(scene.url) as conn:
+            conn.execute(
+                "UPDATE outbox.messages SET available_at = now() - interval '10 minutes' "
+                "WHERE id = %s",
+                (scene.uncertain,),
+            )
+        overdue = {line["state"]: line for line in _json(scene, "status", code=1)["states"]}
+        assert (overdue["uncertain"]["overdue"], overdue["uncertain"]["healthy"]) == (1, False)
+        assert (
+            "undecided 5 minutes past their write deadline" in (overdue["uncertain"]["next_action"])
+        )
+
+        with psycopg.connect(scene.url) as conn:
+            conn.execute(
+                "UPDATE outbox.messages SET escalated_at = now(), last_error = 'topic deleted' "
+                "WHERE id = %s",
+                (scene.uncertain,),
+            )
+        escalated = {line["state"]: line for line in _json(scene, "status", code=1)["states"]}
+        assert (escalated["uncertain"]["escalated"], escalated["uncertain"]["healthy"]) == (
+            1,
+            False,
+        )
+        assert "1 escalated" in escalated["uncertain"]["next_action"]
+        story = _json(scene, "inspect", str(scene.uncertain), code=1)
+        assert "outbox resolve ID" in story["next_action"]
+    finally:
+        store.close()
 
 
 def test_list_shows_the_messages_of_a_state_oldest_first(scene: Scene) -> None:
@@ -263,6 +311,7 @@ def test_inspect_tells_each_message_story_and_the_next_safe_action(
     delivered = _json(scene, "inspect", str(scene.delivered[0]), code=0)
     records = read_topic(kafka_bootstrap, scene.topic)
     [record] = [r for r in records if r.outbox_id == scene.delivered[0]]
+    assert delivered["held_behind"] is None
     [attempt] = delivered["attempts"]
     assert (attempt["outcome"], attempt["kafka_partition"], attempt["kafka_offset"]) == (
         "delivered",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
@@ -19,6 +18,7 @@ from outbox.migrations import (
     migrate,
     migrate_connection,
 )
+from tests.support import fetch_rows, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +108,16 @@ def test_outbox_migrate_waits_for_an_open_migrating_transaction(empty_database_u
 
         other = pool.submit(run)
         started.wait()
-        time.sleep(0.5)
+        # The other session is blocked on the advisory lock this transaction holds.
+        wait_until(
+            lambda: fetch_rows(
+                empty_database_url,
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+            ),
+            timeout=30,
+            what="outbox migrate to wait on the migration lock",
+        )
         assert not other.done()
         conn.commit()
         assert other.result(timeout=30) == []

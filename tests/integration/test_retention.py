@@ -79,36 +79,45 @@ def test_purge_deletes_only_old_delivered_messages_then_their_evidence(
     assert (totals.delivered, totals.quarantined) == (35, 1)
     [uncertain] = _enqueue(database_url, monkeypatch, [outbox.Message(topic, b"u")], days_ago=10)
     make_uncertain(database_url, longest_send_seconds=3600)
+    stuck = old[-1]  # enqueued ten days ago like the others, but delivered just now
     with psycopg.connect(database_url) as conn:
-        # Ten days pass: every delivery and every claim is that old now.
+        # Ten days pass: every delivery, attempt and claim is that old now.
         conn.execute(
             "UPDATE outbox.messages SET delivered_at = delivered_at - interval '10 days' "
-            "WHERE state = 'delivered'"
+            "WHERE state = 'delivered' AND id <> %s",
+            (stuck,),
+        )
+        conn.execute(
+            "UPDATE outbox.attempts SET started_at = started_at - interval '10 days', "
+            "finished_at = finished_at - interval '10 days' WHERE message_id <> %s",
+            (stuck,),
         )
         conn.execute("UPDATE outbox.batches SET claimed_at = claimed_at - interval '10 days'")
     batches = _count(database_url, "SELECT count(*) FROM outbox.batches")
     assert batches >= 2
 
     dry = _purge(database_url, "--delivered-older-than", "7d", "--dry-run")
-    assert (dry["dry_run"], dry["messages"], dry["attempts"], dry["batches"]) == (True, 30, 0, 0)
+    assert (dry["dry_run"], dry["messages"], dry["attempts"], dry["batches"]) == (True, 29, 0, 0)
     assert _count(database_url, "SELECT count(*) FROM outbox.messages") == 37
 
     first = _purge(database_url, "--delivered-older-than", "7d", "--batch-size", "7")
     # Evidence is kept 30 days by default: only the messages go.
     assert (first["messages"], first["attempts"], first["decisions"], first["batches"]) == (
-        30,
+        29,
         0,
         0,
         0,
     )
-    assert first["steps"] >= 30 // 7
+    assert first["steps"] >= 29 // 7
     left = {
         row[0]: row[1] for row in fetch_rows(database_url, "SELECT id, state FROM outbox.messages")
     }
-    # Recent ids stay even though their delivery time was moved back: purge
-    # needs both the enqueue (id) and the delivery to be older than the window.
+    # Recent ids stay even though their delivery time was moved back, and the
+    # old message delivered just now stays: purge needs both the enqueue (id)
+    # and the delivery to be older than the window.
     assert left == {
         **dict.fromkeys(recent, "delivered"),
+        stuck: "delivered",
         quarantined: "quarantined",
         uncertain: "uncertain",
     }
@@ -127,13 +136,13 @@ def test_purge_deletes_only_old_delivered_messages_then_their_evidence(
     second = _purge(
         database_url,
         "--delivered-older-than",
-        "7d",
+        "5d",
         "--evidence-older-than",
         "5d",
         "--batch-size",
         "4",
     )
-    assert (second["messages"], second["attempts"]) == (0, 30)
+    assert (second["messages"], second["attempts"]) == (0, 29)
     # Every batch went except the one the uncertain message still needs.
     assert second["batches"] == batches - 1
     [(kept_batch,)] = fetch_rows(
@@ -148,15 +157,15 @@ def test_purge_deletes_only_old_delivered_messages_then_their_evidence(
         _count(
             database_url,
             "SELECT count(*) FROM outbox.attempts WHERE message_id = ANY(%s)",
-            [quarantined, uncertain, *recent],
+            [quarantined, uncertain, stuck, *recent],
         )
-        == 7
+        == 8
     )
     gone = run_outbox_cli(database_url, "inspect", str(old[0]))
     assert gone.returncode == 2
     assert "no message" in gone.stderr
 
-    again = _purge(database_url, "--delivered-older-than", "7d", "--evidence-older-than", "5d")
+    again = _purge(database_url, "--delivered-older-than", "5d", "--evidence-older-than", "5d")
     assert (again["messages"], again["attempts"], again["decisions"], again["batches"]) == (
         0,
         0,
@@ -169,9 +178,14 @@ def test_purge_refuses_a_bad_age_and_deletes_nothing(database_url: str, topic: s
     """A malformed or zero period is a usage error naming the problem."""
     with psycopg.connect(database_url) as conn:
         outbox.enqueue(conn, topic=topic, value=b"v")
-    for bad, says in (("7", "is not a duration"), ("0d", "longer than zero"), ("7y", "unit")):
-        result = run_outbox_cli(database_url, "purge", "--delivered-older-than", bad)
-        assert result.returncode == 2
+    for args, says in (
+        (["7"], "is not a duration"),
+        (["0d"], "longer than zero"),
+        (["7y"], "unit"),
+        (["7d", "--evidence-older-than", "1d"], "must be at least the delivered window"),
+    ):
+        result = run_outbox_cli(database_url, "purge", "--delivered-older-than", *args)
+        assert result.returncode == 2, args
         assert says in result.stderr
     assert _count(database_url, "SELECT count(*) FROM outbox.messages") == 1
 
