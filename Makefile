@@ -15,7 +15,7 @@ help:
 	@echo "make test           ruff, mypy and every test against the real services"
 	@echo "make unit           only the tests that need no services"
 	@echo "make demo           an example service writes orders; a publisher delivers them"
-	@echo "make bench          throughput benchmark: end to end vs kafka-python alone"
+	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers"
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ demo: venv services
 
 bench: venv services
 	$(WITH_SERVICES) $(BIN)/python benchmarks/throughput.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/latency.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/enqueue_cost.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/growth.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/publishers.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
