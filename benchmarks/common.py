@@ -25,6 +25,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
+from kafka import KafkaAdminClient
+from kafka.errors import KafkaError
 from psycopg import sql
 from throughput import KEYS, PARTITIONS, make_records, new_topic
 
@@ -36,6 +38,7 @@ __all__ = [
     "RESULTS",
     "Cpu",
     "database_url",
+    "delete_topic",
     "environment",
     "make_records",
     "new_topic",
@@ -149,6 +152,18 @@ def temporary_database(
         yield name, url
     finally:
         drop_database(base_url, name)
+
+
+def delete_topic(bootstrap: str, name: str) -> None:
+    """Delete a topic this benchmark created; a failure is only reported."""
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        try:
+            admin.delete_topics([name])
+        finally:
+            admin.close()
+    except KafkaError as exc:
+        print(f"could not delete topic {name}: {exc}", file=sys.stderr)
 
 
 # --- publisher processes ---------------------------------------------------------

@@ -34,6 +34,7 @@ from common import (
     KEYS,
     RESULTS_DIR,
     create_database,
+    delete_topic,
     drop_database,
     environment,
     make_records,
@@ -151,35 +152,38 @@ def deliver(
 ) -> tuple[float, int, tuple[str, str]]:
     """Enqueue ``records`` and deliver them; seconds, batches, and the claim's plans."""
     topic = new_topic(bootstrap)
-    with psycopg.connect(url) as conn:
-        outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE outbox.messages")
-    plan = explain_claim(url, batch_size)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM outbox.messages")  # the rolled-back claim's dead rows
-        conn.execute("CHECKPOINT")
-    publisher = build_publisher(
-        PublisherConfig(
-            database_url=url,
-            kafka_bootstrap=bootstrap,
-            exit_when_idle=True,
-            batch_size=batch_size,
-            http_port=0,
+    try:
+        with psycopg.connect(url) as conn:
+            outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE outbox.messages")
+        plan = explain_claim(url, batch_size)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("VACUUM outbox.messages")  # the rolled-back claim's dead rows
+            conn.execute("CHECKPOINT")
+        publisher = build_publisher(
+            PublisherConfig(
+                database_url=url,
+                kafka_bootstrap=bootstrap,
+                exit_when_idle=True,
+                batch_size=batch_size,
+                http_port=0,
+            )
         )
-    )
-    publisher.sink.partition_count(topic)  # warm metadata, as throughput.py
-    start = time.perf_counter()
-    totals = publisher.run()
-    elapsed = time.perf_counter() - start
-    with psycopg.connect(url) as conn:
-        delivered = conn.execute(
-            "SELECT count(*) FROM outbox.messages WHERE state = 'delivered' AND topic = %s",
-            (topic,),
-        ).fetchone()
-    if delivered != (len(records),) or totals.delivered != len(records):
-        raise SystemExit(f"delivered {delivered}, expected {len(records)}")
-    return elapsed, totals.batches, plan
+        publisher.sink.partition_count(topic)  # warm metadata, as throughput.py
+        start = time.perf_counter()
+        totals = publisher.run()
+        elapsed = time.perf_counter() - start
+        with psycopg.connect(url) as conn:
+            delivered = conn.execute(
+                "SELECT count(*) FROM outbox.messages WHERE state = 'delivered' AND topic = %s",
+                (topic,),
+            ).fetchone()
+        if delivered != (len(records),) or totals.delivered != len(records):
+            raise SystemExit(f"delivered {delivered}, expected {len(records)}")
+        return elapsed, totals.batches, plan
+    finally:
+        delete_topic(bootstrap, topic)
 
 
 def table_size(url: str) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 import psycopg
 from common import (
     Cpu,
+    delete_topic,
     environment,
     kafka_pids,
     new_topic,
@@ -344,6 +345,7 @@ def main() -> None:
             idle = run_idle(url, topic, args)
         finally:
             code = stop_publisher(publisher)
+            delete_topic(bootstrap, topic)
         if code != 0:
             raise SystemExit(f"outbox-publisher exited {code}")
 

@@ -31,6 +31,7 @@ from typing import Any
 import psycopg
 from common import (
     Cpu,
+    delete_topic,
     environment,
     kafka_pids,
     make_records,
@@ -101,6 +102,7 @@ def drain(
             cpu.sample(groups(processes), new_from_zero=True)
         finally:
             codes = [stop_publisher(p) for p in processes]
+            delete_topic(bootstrap, topic)
         if any(codes):
             raise SystemExit(f"outbox-publisher exited {codes}")
         with psycopg.connect(url) as conn:
