@@ -12,15 +12,12 @@ import socket
 import subprocess
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 import pytest
-from kafka import KafkaAdminClient
-from kafka.admin import NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
 import outbox
@@ -28,6 +25,7 @@ from tests.support import (
     count_by_state,
     fetch_rows,
     make_uncertain,
+    small_topic,
     start_publisher,
     stop_process,
     wait_until,
@@ -85,22 +83,11 @@ def _running(process: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
         assert process.returncode == 0, stderr
 
 
-def _small_topic(bootstrap: str) -> str:
-    """A one-partition topic whose broker-side limit is 2,000 bytes per record batch."""
-    name = f"outbox-small-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
-    try:
-        admin.create_topics([NewTopic(name, 1, 1, topic_configs={"max.message.bytes": "2000"})])
-    finally:
-        admin.close()
-    return name
-
-
 def test_metrics_match_the_database_and_count_what_the_publisher_did(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
     """Delivered, quarantined, uncertain and held messages: gauges, counters, histograms agree."""
-    small = _small_topic(kafka_bootstrap)
+    small = small_topic(kafka_bootstrap)
     with psycopg.connect(database_url) as conn:
         stays_uncertain = outbox.enqueue(conn, topic, b"unknown", key="u1")
     # Its producer could write for another hour: the reconciler must not decide it yet.
