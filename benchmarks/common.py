@@ -16,9 +16,10 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "PARTITIONS",
     "RESULTS",
     "Cpu",
+    "CpuWatch",
     "database_url",
     "delete_topic",
     "environment",
@@ -266,6 +268,7 @@ class Cpu:
     def __init__(self) -> None:
         self._first: dict[tuple[str, int], float] = {}
         self._last: dict[tuple[str, int], float] = {}
+        self._group_of: dict[int, str] = {}
         self._machine_start = machine_busy_seconds()
         self._machine_end = self._machine_start
 
@@ -277,7 +280,9 @@ class Cpu:
                 seconds = cpu_seconds(pid)
                 if seconds is None:
                     continue
-                key = (group, pid)
+                # A process stays in the group it was first seen in (a backend's
+                # title, which says its group, can read oddly while it changes).
+                key = (self._group_of.setdefault(pid, group), pid)
                 self._first.setdefault(key, 0.0 if new_from_zero else seconds)
                 self._last[key] = seconds
         self._machine_end = machine_busy_seconds()
@@ -295,6 +300,77 @@ class Cpu:
             self._machine_end[0] - self._machine_start[0],
             self._machine_end[1] - self._machine_start[1],
         )
+
+
+class CpuWatch:
+    """Samples ``Cpu`` in a background thread while the block runs.
+
+    ``groups()`` names the processes to watch at each sample; processes that
+    appear after the first sample count from zero (they started inside the
+    block). ``used()`` adds "everything else": what the machine spent beyond
+    the named processes (this script's other threads, the kernel, and
+    whatever else ran meanwhile, such as other people's tests).
+    """
+
+    def __init__(
+        self, groups: Callable[[], Mapping[str, Sequence[int]]], interval: float = 0.2
+    ) -> None:
+        self._groups = groups
+        self._interval = interval
+        self._cpu = Cpu()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+
+    def __enter__(self) -> CpuWatch:
+        self._cpu.sample(self._groups())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._cpu.sample(self._groups(), new_from_zero=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._cpu.sample(self._groups(), new_from_zero=True)
+
+    def used(self) -> dict[str, float]:
+        """CPU seconds per group, and "everything else"."""
+        used = self._cpu.used()
+        busy, _ = self._cpu.machine()
+        used["everything else"] = busy - sum(used.values())
+        return used
+
+    def machine(self) -> tuple[float, float]:
+        """Busy and idle CPU seconds of the whole machine."""
+        return self._cpu.machine()
+
+
+def postgres_groups(database: str) -> dict[str, list[int]]:
+    """PostgreSQL's processes: this database's backends, other backends, background."""
+    groups: dict[str, list[int]] = {
+        "postgres (this database)": [],
+        "postgres (other databases)": [],
+        "postgres (background)": [],
+    }
+    pids = postgres_pids()
+    for pid in pids:
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if pid != pids[0] and not title.startswith("postgres: "):
+            continue  # just forked, not titled yet: classified at the next sample
+        # A backend is titled "postgres: <user> <database> <host>(<port>) <activity>".
+        words = title.split()
+        backend = len(words) >= 4 and words[0] == "postgres:"
+        if backend and ("(" in words[3] or words[3] == "[local]"):
+            mine = words[2] == database
+            groups["postgres (this database)" if mine else "postgres (other databases)"].append(pid)
+        else:
+            groups["postgres (background)"].append(pid)
+    return groups
 
 
 def postgres_pids() -> list[int]:

@@ -23,6 +23,7 @@ Results go to benchmarks/results/latest.json under "growth".
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import uuid
@@ -33,12 +34,15 @@ import psycopg
 from common import (
     KEYS,
     RESULTS_DIR,
+    CpuWatch,
     create_database,
     delete_topic,
     drop_database,
     environment,
+    kafka_pids,
     make_records,
     new_topic,
+    postgres_groups,
     record_results,
     temporary_database,
 )
@@ -149,8 +153,8 @@ def explain_claim(url: str, batch_size: int) -> tuple[str, str]:
 
 def deliver(
     url: str, bootstrap: str, records: list[outbox.Message], batch_size: int
-) -> tuple[float, int, tuple[str, str]]:
-    """Enqueue ``records`` and deliver them; seconds, batches, and the claim's plans."""
+) -> tuple[float, int, tuple[str, str], dict[str, float]]:
+    """Enqueue ``records`` and deliver them; seconds, batches, the claim's plans, CPU seconds."""
     topic = new_topic(bootstrap)
     try:
         with psycopg.connect(url) as conn:
@@ -171,9 +175,19 @@ def deliver(
             )
         )
         publisher.sink.partition_count(topic)  # warm metadata, as throughput.py
-        start = time.perf_counter()
-        totals = publisher.run()
-        elapsed = time.perf_counter() - start
+        database = url.rsplit("/", 1)[1]
+
+        def groups() -> dict[str, list[int]]:
+            return {
+                "publisher (in process)": [os.getpid()],
+                **postgres_groups(database),
+                "kafka": kafka_pids(),
+            }
+
+        with CpuWatch(groups) as cpu:
+            start = time.perf_counter()
+            totals = publisher.run()
+            elapsed = time.perf_counter() - start
         with psycopg.connect(url) as conn:
             delivered = conn.execute(
                 "SELECT count(*) FROM outbox.messages WHERE state = 'delivered' AND topic = %s",
@@ -181,7 +195,7 @@ def deliver(
             ).fetchone()
         if delivered != (len(records),) or totals.delivered != len(records):
             raise SystemExit(f"delivered {delivered}, expected {len(records)}")
-        return elapsed, totals.batches, plan
+        return elapsed, totals.batches, plan, cpu.used()
     finally:
         delete_topic(bootstrap, topic)
 
@@ -200,7 +214,7 @@ def main() -> None:
     """Alternate rounds on copies of both templates; print rates and their ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of each")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each")
     parser.add_argument("--batch-size", type=int, default=1_000)
     parser.add_argument("--history", type=int, default=1_100_000, help="rows already stored")
     args = parser.parse_args()
@@ -210,6 +224,7 @@ def main() -> None:
     empty_template = f"outbox_bench_growth_empty_{suffix}"
     history_template = f"outbox_bench_growth_history_{suffix}"
     rates: dict[str, list[float]] = {"empty": [], "history": []}
+    cpu_seconds: dict[str, list[dict[str, float]]] = {"empty": [], "history": []}
     plans: dict[str, tuple[str, str]] = {}
     sizes: dict[str, str] = {}
     try:
@@ -234,15 +249,17 @@ def main() -> None:
                     _,
                     url,
                 ):
-                    seconds, batches, plan = deliver(url, bootstrap, records, args.batch_size)
+                    seconds, batches, plan, used = deliver(url, bootstrap, records, args.batch_size)
                     plans.setdefault(kind, plan)
                     sizes.setdefault(kind, table_size(url))
                 rate = args.messages / seconds
                 rates[kind].append(rate)
+                cpu_text = "  ".join(f"{k} {v:.1f}" for k, v in used.items() if v >= 0.05)
                 print(
                     f"round {round_no}: {kind:<7} {rate:7,.0f} msg/s  ({seconds:.1f} s, "
-                    f"{batches} batches)"
+                    f"{batches} batches; CPU seconds: {cpu_text})"
                 )
+                cpu_seconds[kind].append({k: round(v, 2) for k, v in used.items()})
     finally:
         for name in (empty_template, history_template):
             drop_database(base_url, name)
@@ -272,6 +289,7 @@ def main() -> None:
         "empty_msgs_per_s": [round(r) for r in rates["empty"]],
         "history_msgs_per_s": [round(r) for r in rates["history"]],
         "ratio_of_medians": round(ratio, 3),
+        "cpu_seconds": cpu_seconds,
         "target_ratio": TARGET_RATIO,
         "target_met": ratio >= TARGET_RATIO,
     }

@@ -34,13 +34,13 @@ from typing import Any
 
 import psycopg
 from common import (
-    Cpu,
+    CpuWatch,
     delete_topic,
     environment,
     kafka_pids,
     new_topic,
     percentile,
-    postgres_pids,
+    postgres_groups,
     record_results,
     start_publisher,
     stop_publisher,
@@ -221,19 +221,21 @@ def run_load(url: str, topic: str, args: argparse.Namespace, publisher_pid: int)
         )
         for i in range(args.writers)
     ]
-    cpu = Cpu()
     for t in threads:
         t.start()
     time.sleep(max(measure_from - time.time(), 0))
-    groups = {
-        "publisher": [publisher_pid],
-        "postgres": postgres_pids(),
-        "kafka": kafka_pids(),
-        "writers": [os.getpid()],
-    }
-    cpu.sample(groups)
-    time.sleep(max(stop_at - time.time(), 0))
-    cpu.sample(groups)
+    database = url.rsplit("/", 1)[1]
+
+    def groups() -> dict[str, list[int]]:
+        return {
+            "publisher": [publisher_pid],
+            **postgres_groups(database),
+            "kafka": kafka_pids(),
+            "writers and watcher (this script)": [os.getpid()],
+        }
+
+    with CpuWatch(groups) as cpu:
+        time.sleep(max(stop_at - time.time(), 0))
     for t in threads:
         t.join()
     wait_drained(tracker, 60)
@@ -251,7 +253,7 @@ def run_load(url: str, topic: str, args: argparse.Namespace, publisher_pid: int)
     mark = [(parts[i][1] - parts[i][0]) * 1000 for i in measured]
     send = [(d - parts[i][1]) * 1000 for i, (_, d, _) in measured.items()]
     batch_sizes = [parts[i][2] for i in measured]
-    used = cpu.used()
+    used = {k: v for k, v in cpu.used().items() if v > 0}
     busy, idle = cpu.machine()
     result = {
         "messages": len(measured),

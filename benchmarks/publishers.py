@@ -23,20 +23,21 @@ Results go to benchmarks/results/latest.json under "publishers".
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from common import (
-    Cpu,
+    CpuWatch,
     delete_topic,
     environment,
     kafka_pids,
     make_records,
     new_topic,
-    postgres_pids,
+    postgres_groups,
     record_results,
     start_publisher,
     stop_publisher,
@@ -46,29 +47,6 @@ from common import (
 import outbox
 
 FLAGS = ("--exit-when-idle", "--batch-size", "1000")
-
-
-def postgres_groups(database: str) -> dict[str, list[int]]:
-    """PostgreSQL's processes: this database's backends, other backends, background."""
-    groups: dict[str, list[int]] = {
-        "postgres (this database)": [],
-        "postgres (other databases)": [],
-        "postgres (background)": [],
-    }
-    for pid in postgres_pids():
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        # A backend is titled "postgres: <user> <database> <host>(<port>) <activity>".
-        words = title.split()
-        backend = len(words) >= 4 and words[0] == "postgres:"
-        if backend and ("(" in words[3] or words[3] == "[local]"):
-            mine = words[2] == database
-            groups["postgres (this database)" if mine else "postgres (other databases)"].append(pid)
-        else:
-            groups["postgres (background)"].append(pid)
-    return groups
 
 
 def drain(
@@ -82,24 +60,24 @@ def drain(
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE outbox.messages")
             conn.execute("CHECKPOINT")
-        cpu = Cpu()
+        processes: list[subprocess.Popen[bytes]] = []
 
-        def groups(processes: list[Any]) -> dict[str, list[int]]:
+        def groups() -> dict[str, list[int]]:
             return {
                 "publishers": [p.pid for p in processes],
                 **postgres_groups(name),
                 "kafka": kafka_pids(),
             }
 
-        cpu.sample(groups([]))
-        start = time.perf_counter()
-        processes = [start_publisher(url, bootstrap, *FLAGS) for _ in range(count)]
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
-            while any(p.poll() is None for p in processes):
-                cpu.sample(groups(processes), new_from_zero=True)
-                time.sleep(0.2)
-            wall = time.perf_counter() - start
-            cpu.sample(groups(processes), new_from_zero=True)
+            with CpuWatch(groups) as cpu:
+                start = time.perf_counter()
+                processes.extend(start_publisher(url, bootstrap, *FLAGS) for _ in range(count))
+                for p in processes:
+                    p.wait()
+                wall = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
         finally:
             codes = [stop_publisher(p) for p in processes]
             delete_topic(bootstrap, topic)
@@ -131,9 +109,10 @@ def drain(
     assert window is not None
     busy, idle = cpu.machine()
     used = cpu.used()
-    # What the machine spent beyond the processes above: this script, the
-    # kernel's own threads, and anything else running on it meanwhile.
-    used["everything else"] = busy - sum(used.values())
+    # The publishers' own count, whole: sampling misses their last moments.
+    exact = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    used["everything else"] -= exact - used.get("publishers", 0.0)
+    used["publishers"] = exact
     return {
         "delivery_msgs_per_s": len(records) / window[0],
         "wall_msgs_per_s": len(records) / wall,
@@ -174,7 +153,7 @@ def main() -> None:
     """Alternate runs with one and two publishers; print rates, CPU and the ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each")
     args = parser.parse_args()
     base_url, bootstrap = environment()
     records = make_records(args.messages)
