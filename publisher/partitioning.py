@@ -7,6 +7,7 @@ for in exactly one partition later.
 
 from __future__ import annotations
 
+import functools
 import uuid
 
 from kafka.partitioner.default import murmur2
@@ -22,5 +23,12 @@ def partition_for(key: bytes | None, message_id: uuid.UUID, partition_count: int
     """
     if partition_count <= 0:
         raise ValueError(f"a topic has at least one partition, got {partition_count}")
-    data = key if key is not None else message_id.bytes
-    return (int(murmur2(data)) & 0x7FFFFFFF) % partition_count
+    if key is not None:
+        return _keyed(key, partition_count)
+    return (int(murmur2(message_id.bytes)) & 0x7FFFFFFF) % partition_count
+
+
+@functools.lru_cache(maxsize=65_536)
+def _keyed(key: bytes, partition_count: int) -> int:
+    """murmur2 is pure Python in kafka-python; keys recur, so their partitions are kept."""
+    return (int(murmur2(key)) & 0x7FFFFFFF) % partition_count
