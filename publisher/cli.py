@@ -40,7 +40,7 @@ from publisher.metrics import StatusReader
 from publisher.reconciler import Reconciler
 from publisher.retention import RetentionRunner
 from publisher.scanner import KafkaLogScanner
-from publisher.sink import KafkaSink, KafkaSinkConfig
+from publisher.sink import KafkaSink, KafkaSinkConfig, Sink
 from publisher.store import PublisherStore
 from publisher.waker import Waker
 
@@ -122,21 +122,10 @@ def build_publisher(
         reconciler = Reconciler(
             store, KafkaLogScanner(config.kafka_bootstrap), f"reconciler {publisher_id}"
         )
-    sink = KafkaSink(
-        KafkaSinkConfig(
-            bootstrap_servers=config.kafka_bootstrap,
-            client_id=f"outbox-publisher-{publisher_id}",
-            linger_ms=config.linger_ms,
-            delivery_timeout_ms=config.delivery_timeout_ms,
-            request_timeout_ms=config.request_timeout_ms,
-            max_block_ms=config.max_block_ms,
-            allow_auto_create_topics=config.auto_create_topics,
-        )
-    )
     publisher = Publisher(
         config,
         store,
-        sink,
+        _sink(config, publisher_id),
         Waker(config.database_url),
         reconciler=reconciler,
         heartbeat_store=PublisherStore(config.database_url, publisher_id),
@@ -158,6 +147,25 @@ def build_publisher(
             on_report=publisher.metrics.count_purge,
         )
     return publisher
+
+
+def _sink(config: PublisherConfig, publisher_id: uuid.UUID) -> Sink:
+    """The producer the config names (``--sink``), with the publisher's settings."""
+    sink_config = KafkaSinkConfig(
+        bootstrap_servers=config.kafka_bootstrap,
+        client_id=f"outbox-publisher-{publisher_id}",
+        linger_ms=config.linger_ms,
+        delivery_timeout_ms=config.delivery_timeout_ms,
+        request_timeout_ms=config.request_timeout_ms,
+        max_block_ms=config.max_block_ms,
+        allow_auto_create_topics=config.auto_create_topics,
+    )
+    if config.sink == "confluent":
+        # Only with the confluent extra installed (the config checked it).
+        from publisher.confluent_sink import ConfluentSink  # noqa: PLC0415
+
+        return ConfluentSink(sink_config)
+    return KafkaSink(sink_config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

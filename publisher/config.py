@@ -12,6 +12,7 @@ everything in one round instead of one error per start.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import tomllib
@@ -28,6 +29,8 @@ from outbox.retention import parse_duration
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
+#: The producers a publisher can send with (``--sink``).
+SINKS = ("kafka-python", "confluent")
 
 
 class ConfigError(OutboxError):
@@ -67,6 +70,9 @@ class PublisherConfig:
     max_block_ms: int = 10_000
     #: Whether the publisher may create a missing topic (if the broker allows it).
     auto_create_topics: bool = True
+    #: The producer library: ``kafka-python``, or ``confluent`` (librdkafka,
+    #: from the ``confluent`` extra).
+    sink: str = "kafka-python"
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
     #: Address of the metrics and health endpoints.
@@ -193,6 +199,14 @@ class PublisherConfig:
                     name,
                     f"{name.replace('_', ' ')} must be at least {least}, got {getattr(self, name)}",
                 )
+        if self.sink not in SINKS:
+            problem("sink", f"sink {self.sink!r} is not one of {', '.join(SINKS)}")
+        elif self.sink == "confluent" and importlib.util.find_spec("confluent_kafka") is None:
+            problem(
+                "sink",
+                "sink 'confluent' needs the confluent-kafka package: "
+                "pip install 'outbox[confluent]'",
+            )
         if self.purge_interval <= 0:
             problem("purge_interval", f"purge interval must be positive, got {self.purge_interval}")
         if not 0 <= self.http_port <= 65535:
@@ -343,6 +357,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auto_create_topics", bool, "never create a missing topic: its messages are "
             "quarantined (TopicMissing)", "Kafka producer", flag_name="--no-auto-create-topics",
             flag_sets=False),
+    Setting("sink", str, "producer library: kafka-python, or confluent (librdkafka; pip install "
+            "'outbox[confluent]')", "Kafka producer", normalise="lower", metavar="NAME"),
     Setting("http_host", str, "address of /metrics, /healthz and /readyz", "metrics and health "
             "over HTTP", metavar="HOST"),
     Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",

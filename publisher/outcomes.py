@@ -50,6 +50,10 @@ class TopicMissing(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-pyth
     """The topic does not exist and the publisher may not (or the broker will not) create it."""
 
 
+class LibrdkafkaError(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-python is untyped
+    """One of librdkafka's own (local, negative-coded) errors, named as librdkafka names it."""
+
+
 # Errors that say the record cannot be applied as it is. Returned for a record
 # that the broker rejected as a whole, they also prove it was not appended.
 # (kafka-python splits a batch the broker finds too large and retries, so a
@@ -91,6 +95,35 @@ def classify(error: BaseException | None, *, handed_to_producer: bool) -> SendOu
     # flight"), request timeouts, lost connections, NotEnoughReplicasAfterAppend,
     # sequence and producer-id errors, a forced close, anything unexpected.
     return SendOutcome.UNCERTAIN
+
+
+def from_librdkafka(code: int, name: str, reason: str) -> BaseException:
+    """The exception ``classify`` knows a librdkafka (confluent-kafka) error by.
+
+    librdkafka reports the broker's errors under Kafka's protocol codes
+    (positive): each becomes kafka-python's exception for that code, so the
+    one table above classifies both producers alike (``MSG_SIZE_TOO_LARGE``
+    is ``MessageSizeTooLargeError``, ``TOPIC_AUTHORIZATION_FAILED`` is
+    ``TopicAuthorizationFailedError``, ``UNKNOWN_TOPIC_OR_PART`` stays
+    retriable, hence uncertain, as in kafka-python).
+
+    Its own errors (negative codes) become ``LibrdkafkaError``: refused by
+    ``produce()`` they are not written, reported for a record handed over
+    they are uncertain, every one of them. A timed-out message
+    (``_MSG_TIMED_OUT``) may have been sent and retried, a lost connection
+    (``_TRANSPORT``) may have lost only the answer, a record purged in flight
+    (``_PURGE_INFLIGHT``) may still be appended, and even one purged from the
+    local queue (``_PURGE_QUEUE``) or failed there for a topic or partition
+    that vanished (``_UNKNOWN_TOPIC``, ``_UNKNOWN_PARTITION``) may be a retry
+    that librdkafka put back in that queue after an attempt that was written.
+    Only librdkafka's per-message persistence status tells these apart, and
+    confluent-kafka's Python API does not expose it.
+    """
+    text = f"{reason} (librdkafka {name})"
+    if code > 0:
+        error: BaseException = kafka_errors.for_code(code)(text)
+        return error
+    return LibrdkafkaError(text)
 
 
 def retry_delay(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 
 import psycopg
@@ -18,9 +19,22 @@ from tests.support import (
 
 pytestmark = pytest.mark.acceptance
 
+#: Both producers, chosen with ``--sink``.
+SINKS = [
+    "kafka-python",
+    pytest.param(
+        "confluent",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("confluent_kafka") is None,
+            reason="the confluent extra is not installed",
+        ),
+    ),
+]
 
+
+@pytest.mark.parametrize("sink", SINKS)
 def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, sink: str
 ) -> None:
     """SIGTERM mid-run: exit 0, no row in_flight, every sent record confirmed exactly once."""
     total = 20_000
@@ -28,7 +42,7 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
         outbox.enqueue_many(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 50}") for i in range(total)]
         )
-    process = start_publisher(database_url, kafka_bootstrap, "--batch-size", "200")
+    process = start_publisher(database_url, kafka_bootstrap, "--batch-size", "200", "--sink", sink)
     wait_until(
         lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
         timeout=60,
@@ -63,7 +77,7 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     assert {r.outbox_id: (r.partition, r.offset) for r in records} == stored
 
     # A second publisher delivers the rest and exits by itself.
-    finisher = start_publisher(database_url, kafka_bootstrap, "--exit-when-idle")
+    finisher = start_publisher(database_url, kafka_bootstrap, "--exit-when-idle", "--sink", sink)
     _, stderr = finisher.communicate(timeout=120)
     assert finisher.returncode == 0, stderr
     assert count_by_state(database_url) == {"delivered": total}
@@ -89,10 +103,13 @@ def _registered(database_url: str) -> bool:
 
 def test_bad_configuration_is_refused_with_every_problem_named() -> None:
     """Invalid settings exit 2 and list each problem, before connecting to anything."""
-    process = start_publisher("mysql://x", "no-port", "--batch-size", "0", "--lease-seconds", "5")
+    process = start_publisher(
+        "mysql://x", "no-port", "--batch-size", "0", "--lease-seconds", "5", "--sink", "kafka"
+    )
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 2
     assert "must start with postgresql://" in stderr
     assert "'no-port' is not host:port" in stderr
     assert "batch size must be at least 1" in stderr
     assert "lease (5s) must be longer" in stderr
+    assert "sink 'kafka' is not one of kafka-python, confluent" in stderr

@@ -7,6 +7,7 @@ topics, and a topic the publisher is not allowed to write (an ACL denies it).
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import psycopg
@@ -27,6 +28,27 @@ from outbox.operator import discard
 from tests.support import publish_until_idle, read_topic, small_topic, wait_until
 
 pytestmark = pytest.mark.integration
+
+#: Both producers, through the publisher's ``sink`` setting.
+SINKS = [
+    "kafka-python",
+    pytest.param(
+        "confluent",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("confluent_kafka") is None,
+            reason="the confluent extra is not installed",
+        ),
+    ),
+]
+
+#: No topic creation; short send timeouts, so that the shared refusals' write
+#: deadline passes and reconciliation decides them within seconds.
+_FAST = {
+    "auto_create_topics": False,
+    "delivery_timeout_ms": 3_000,
+    "request_timeout_ms": 1_000,
+    "reconcile_interval": 0.5,
+}
 
 
 def _admin(bootstrap: str) -> KafkaAdminClient:
@@ -66,8 +88,9 @@ def _rows(database_url: str) -> dict[uuid.UUID, tuple[str, str | None]]:
         }
 
 
+@pytest.mark.parametrize("sink", SINKS)
 def test_refused_records_are_quarantined_and_everything_else_is_delivered(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, sink: str
 ) -> None:
     """Too large, missing topic, forbidden topic: quarantined with reasons; other keys delivered."""
     small = small_topic(kafka_bootstrap)
@@ -82,7 +105,7 @@ def test_refused_records_are_quarantined_and_everything_else_is_delivered(
         fine = outbox.enqueue_many(
             conn, [outbox.Message(topic, f"ok-{i}", key=f"k{i}") for i in range(20)]
         )
-    publish_until_idle(database_url, kafka_bootstrap, auto_create_topics=False, max_block_ms=2_000)
+    publish_until_idle(database_url, kafka_bootstrap, **_FAST, max_block_ms=2_000, sink=sink)
 
     rows = _rows(database_url)
     assert rows[too_large][0] == "quarantined"
@@ -96,7 +119,8 @@ def test_refused_records_are_quarantined_and_everything_else_is_delivered(
     assert all(rows[i][0] == "delivered" for i in fine)
     assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic)} == set(fine)
     # kafka-python fails every record its idempotent producer still had in
-    # flight for that partition with the same error; such a shared refusal is
+    # flight for that partition with the same error, and librdkafka every
+    # record of the message set the broker refused; such a shared refusal is
     # uncertain, reconciled (nothing was written), and sent again alone, so
     # the record that fits is delivered and only the big one stays refused.
     # The message behind the big one of its key waits for an operator.
@@ -108,7 +132,7 @@ def test_refused_records_are_quarantined_and_everything_else_is_delivered(
     # goes on without it.
     with psycopg.connect(database_url) as conn:
         discard(conn, too_large, "larger than the topic accepts")
-    publish_until_idle(database_url, kafka_bootstrap, auto_create_topics=False)
+    publish_until_idle(database_url, kafka_bootstrap, **_FAST, sink=sink)
     assert _rows(database_url)[behind][0] == "delivered"
     assert [r.value for r in read_topic(kafka_bootstrap, small)] == [
         b"small enough",

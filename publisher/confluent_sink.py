@@ -1,0 +1,268 @@
+"""A sink on confluent-kafka (librdkafka), behind the same ``Sink`` interface as ``KafkaSink``.
+
+Installed with the ``confluent`` extra (``pip install 'outbox[confluent]'``)
+and chosen with ``--sink confluent``. The producer is idempotent with
+``acks=all``, every record goes to the partition the publisher chose, and
+each record's delivery callback reports its partition and offset or its
+error. Errors are translated by ``publisher.outcomes.from_librdkafka`` into
+the exceptions ``classify`` already knows, so both sinks' records end in
+the same outcomes; a record whose callback has not fired by the deadline is
+uncertain, as a silent future is for ``KafkaSink``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from kafka import errors as kafka_errors
+
+from publisher.outcomes import TopicMissing, from_librdkafka
+from publisher.sink import InFlight, KafkaSinkConfig, OutgoingRecord, SendReport
+
+log = logging.getLogger(__name__)
+
+#: librdkafka's own log lines (connections, metadata), as Python log records.
+librdkafka_log = logging.getLogger("publisher.librdkafka")
+
+#: How long a topic's partition count is used before it is looked up again.
+#: kafka-python reads it from metadata it refreshes every 5 minutes; asking
+#: the broker before every batch would cost a round trip per batch.
+PARTITION_COUNT_MAX_AGE = 30.0
+
+#: Errors of a topic lookup that no waiting can cure.
+_LOOKUP_REFUSALS = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.TOPIC_EXCEPTION})
+
+
+def _exception(error: KafkaError) -> BaseException:
+    return from_librdkafka(error.code(), error.name(), error.str())
+
+
+@dataclass
+class _ConfluentInFlight:
+    """The producer that was handed the records, and per record its report once known."""
+
+    producer: Producer | None
+    reports: list[SendReport | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.reports)
+
+
+def _on_delivery(
+    reports: list[SendReport | None], index: int, error: KafkaError | None, message: Message
+) -> None:
+    """librdkafka's delivery report of record ``index`` (served by ``poll``/``flush``)."""
+    if error is not None:
+        reports[index] = SendReport(None, None, _exception(error), handed_to_producer=True)
+        return
+    partition, offset = message.partition(), message.offset()
+    if partition is None or offset is None or offset < 0:
+        # Cannot happen with acks=all, but a delivery without an offset is
+        # no confirmation: let reconciliation find where it is.
+        silent = kafka_errors.KafkaError(f"acknowledged without an offset ({partition}, {offset})")
+        reports[index] = SendReport(None, None, silent, handed_to_producer=True)
+        return
+    reports[index] = SendReport(partition, offset, None, handed_to_producer=True)
+
+
+class ConfluentSink:
+    """Sends with an idempotent librdkafka producer (``acks=all``).
+
+    ``config.extra`` holds librdkafka properties (``{"compression.type": "lz4"}``)
+    here, not kafka-python keyword arguments.
+    """
+
+    def __init__(self, config: KafkaSinkConfig) -> None:
+        self._config = config
+        self._producer: Producer | None = None
+        #: Topic -> (partition count, monotonic time it may be used until).
+        self._counts: dict[str, tuple[int, float]] = {}
+        #: A fatal error of the current producer (idempotence broken): replace it.
+        self._fatal: KafkaError | None = None
+
+    def _get_producer(self) -> Producer:
+        if self._fatal is not None:
+            log.warning("replacing the producer after a fatal error: %s", self._fatal)
+            self.discard_producer()
+        if self._producer is None:
+            c = self._config
+            self._fatal = None
+            settings: dict[str, Any] = {
+                "bootstrap.servers": c.bootstrap_servers,
+                "client.id": c.client_id,
+                # Both set explicitly: the guarantees depend on them.
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": c.linger_ms,
+                "batch.size": c.batch_size,
+                # Each record is reported on within this (librdkafka's
+                # delivery.timeout.ms), retries included.
+                "message.timeout.ms": c.delivery_timeout_ms,
+                "request.timeout.ms": c.request_timeout_ms,
+                "message.max.bytes": c.max_request_size,
+                "allow.auto.create.topics": c.allow_auto_create_topics,
+                "error_cb": self._on_error,
+                "logger": librdkafka_log,
+                **c.extra,
+            }
+            self._producer = Producer(settings)
+        return self._producer
+
+    def _on_error(self, error: KafkaError) -> None:
+        """librdkafka's client-level errors: a broker down, a fatal idempotence error."""
+        if error.fatal():
+            self._fatal = error
+            log.error("Kafka producer: fatal error: %s", error)
+        else:
+            log.warning("Kafka producer: %s", error)
+
+    def partition_count(self, topic: str) -> int:
+        """Look the topic up (creating it where allowed); ``TopicMissing`` if it does not exist."""
+        cached = self._counts.get(topic)
+        if cached is not None and time.monotonic() < cached[1]:
+            return cached[0]
+        producer = self._get_producer()
+        deadline = time.monotonic() + self._config.max_block_ms / 1000
+        while True:
+            try:
+                metadata = producer.list_topics(
+                    topic, timeout=max(deadline - time.monotonic(), 0.001)
+                )
+            except KafkaException as exc:
+                raise _exception(exc.args[0]) from None
+            described = metadata.topics.get(topic)
+            error: KafkaError | None = described.error if described is not None else None
+            if described is not None and error is None and described.partitions:
+                count = len(described.partitions)
+                self._counts[topic] = (count, time.monotonic() + PARTITION_COUNT_MAX_AGE)
+                return count
+            unknown = error is None or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+            if unknown and not self._config.allow_auto_create_topics:
+                raise TopicMissing(
+                    f"topic {topic!r} does not exist and is not created automatically"
+                )
+            if error is not None and error.code() in _LOOKUP_REFUSALS:
+                raise _exception(error)
+            # Being created (LEADER_NOT_AVAILABLE), or not yet known.
+            if time.monotonic() >= deadline:
+                if unknown:
+                    raise TopicMissing(
+                        f"topic {topic!r} does not exist and the broker did not create it"
+                    )
+                assert error is not None
+                raise _exception(error)
+            time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+
+    def send(self, records: Sequence[OutgoingRecord]) -> _ConfluentInFlight:
+        """Hand every record to the producer; a refusal is kept as its report."""
+        producer = self._get_producer()
+        in_flight = _ConfluentInFlight(producer, [None] * len(records))
+        for index, r in enumerate(records):
+            try:
+                self._produce(producer, r, partial(_on_delivery, in_flight.reports, index))
+            except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
+                in_flight.reports[index] = SendReport(
+                    None, None, self._refusal(exc), handed_to_producer=False
+                )
+        return in_flight
+
+    def _produce(
+        self,
+        producer: Producer,
+        r: OutgoingRecord,
+        callback: Callable[[KafkaError | None, Message], None],
+    ) -> None:
+        """``produce()``; while the local queue is full, serve delivery reports (max_block_ms)."""
+        deadline: float | None = None
+        while True:
+            try:
+                producer.produce(
+                    r.topic,
+                    value=r.value,
+                    key=r.key,
+                    partition=r.partition,
+                    # A list of (str, bytes) is what it takes; its stub is invariant.
+                    headers=cast("list[tuple[str, str | bytes | None]]", r.headers),
+                    on_delivery=callback,
+                )
+            except BufferError:
+                now = time.monotonic()
+                deadline = deadline or now + self._config.max_block_ms / 1000
+                if now >= deadline:
+                    raise
+                producer.poll(min(0.1, deadline - now))
+            else:
+                return
+
+    def _refusal(self, exc: Exception) -> BaseException:
+        """What ``produce()`` raised, as ``classify`` knows it."""
+        if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError):
+            error: KafkaError = exc.args[0]
+            if error.fatal():
+                self._fatal = error
+            return _exception(error)
+        return exc
+
+    def complete(self, in_flight: InFlight) -> list[SendReport]:
+        """Flush once, then report each record; one whose callback never fired is uncertain."""
+        assert isinstance(in_flight, _ConfluentInFlight)
+        producer = in_flight.producer
+        if producer is not None and producer is self._producer and None in in_flight.reports:
+            timeout = (self._config.delivery_timeout_ms + self._config.request_timeout_ms) / 1000
+            try:
+                left = producer.flush(timeout)
+            except KafkaException as exc:
+                log.warning("producer flush ended early: %s", exc)
+            else:
+                if left:
+                    log.warning("%d records still unanswered after %gs", left, timeout)
+        silence = kafka_errors.KafkaTimeoutError("no answer from the broker in time")
+        return [
+            report if report is not None else SendReport(None, None, silence, True)
+            for report in in_flight.reports
+        ]
+
+    def discard_producer(self) -> None:
+        """Make the producer send nothing more, then drop it.
+
+        Records still in its queues are purged (never sent by it, though a
+        retry in that queue may have been written before); records in flight
+        are purged too: a request already on the wire may still be appended,
+        but its answer is ignored and it is never retried. Their delivery
+        reports are served here; they are uncertain whichever error they carry.
+        """
+        producer, self._producer = self._producer, None
+        self._counts.clear()
+        if producer is None:
+            return
+        try:
+            producer.purge(in_queue=True, in_flight=True, blocking=True)
+            # Serves the purged records' delivery reports; nothing is left to send.
+            producer.flush(self._config.request_timeout_ms / 1000)
+        except (KafkaException, RuntimeError) as exc:
+            log.warning("discarding the producer: %s", exc)
+        finally:
+            producer.close()
+
+    def close(self) -> None:
+        """Let the producer finish what it holds (briefly), then drop it."""
+        producer, self._producer = self._producer, None
+        self._counts.clear()
+        if producer is None:
+            return
+        try:
+            left = producer.flush(self._config.request_timeout_ms / 1000)
+            if left:
+                log.warning("closing the producer with %d records unanswered", left)
+                producer.purge(in_queue=True, in_flight=True, blocking=True)
+                producer.flush(0)
+        except (KafkaException, RuntimeError) as exc:
+            log.warning("closing the producer: %s", exc)
+        finally:
+            producer.close()
