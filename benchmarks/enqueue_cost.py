@@ -3,7 +3,7 @@
 The business transaction is two statements on tables of the benchmark's own
 (insert an order, update its customer's row), committed. The same
 transaction with one ``outbox.enqueue`` added (a keyed JSON event of about
-150 bytes) is timed side by side: blocks of 100 of each alternate, so the
+70 bytes) is timed side by side: blocks of 100 of each alternate, so the
 noise of a shared machine hits both alike, 3,000 of each by default, on one
 psycopg 3 connection (the type the library documents), after a warm-up. The
 ratio of the means is the figure to judge.
