@@ -108,6 +108,8 @@ class KafkaSinkConfig:
     #: (where the broker allows it at all).
     allow_auto_create_topics: bool = True
     max_request_size: int = 1_048_576
+    #: Passed to the producer as they are: kafka-python keyword arguments, or
+    #: librdkafka properties for ``ConfluentSink``, which takes this config too.
     extra: dict[str, Any] = field(default_factory=dict)
 
 
