@@ -38,6 +38,11 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- claimable too (pending and due): an earlier one in flight, uncertain,
 -- quarantined or waiting out a retry holds its key back, and only its key.
 -- SKIP LOCKED lets publishers claim side by side; every claim raises the fence.
+-- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
+-- a bound on the candidates: only the oldest few pending messages are looked
+-- at, so a claim-ahead whose keys are all in flight gives up after a few
+-- index probes instead of reading the whole backlog. An ordinary claim has
+-- no bound, so a long queue behind one held key never hides other keys.
 WITH mine AS (
     -- The lanes this publisher owns. FOR SHARE: a lane cannot change owner
     -- while one of its claims runs, so two publishers never claim in one lane.
@@ -50,6 +55,7 @@ WITH mine AS (
     FROM outbox.messages AS m
     WHERE m.state = 'pending' AND m.available_at <= now()
       AND m.lane IN (SELECT lane FROM mine)
+      {horizon}
       AND (m.key IS NULL OR NOT EXISTS (
           SELECT 1
           FROM outbox.messages AS e

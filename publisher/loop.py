@@ -335,8 +335,14 @@ class Publisher:
             return
         if self._ahead_worker is None:
             self._ahead_worker = ThreadPoolExecutor(1, thread_name_prefix="outbox-claim-ahead")
+        # Only the oldest pending messages are candidates: when every one of
+        # them waits behind this batch, the claim gives up at once, and the
+        # loop claims again (without a bound) once this batch has settled.
         self._ahead = self._ahead_worker.submit(
-            self._ahead_store.claim, self.config.batch_size, self.config.lease_seconds
+            self._ahead_store.claim,
+            self.config.batch_size,
+            self.config.lease_seconds,
+            horizon=2 * self.config.batch_size,
         )
 
     def _release_claimed_ahead(self) -> None:

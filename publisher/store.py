@@ -191,11 +191,23 @@ class PublisherStore:
 
     # --- one batch ----------------------------------------------------------
 
-    def claim(self, limit: int, lease_seconds: float) -> Batch | None:
-        """Lease up to ``limit`` pending messages in one statement; ``None`` if none."""
+    def claim(
+        self, limit: int, lease_seconds: float, *, horizon: int | None = None
+    ) -> Batch | None:
+        """Lease up to ``limit`` pending messages in one statement; ``None`` if none.
+
+        With ``horizon``, only the oldest ``horizon`` pending messages are
+        candidates (a claim made ahead, which may well find every key busy).
+        """
+        sql = query("claim_batch").format(horizon="" if horizon is None else _HORIZON)
         rows = self.conn.execute(
-            query("claim_batch"),
-            {"limit": limit, "owner": self.publisher_id, "lease_seconds": float(lease_seconds)},
+            sql,
+            {
+                "limit": limit,
+                "owner": self.publisher_id,
+                "lease_seconds": float(lease_seconds),
+                "horizon": horizon,
+            },
             binary=True,
         ).fetchall()
         if not rows:
@@ -311,6 +323,12 @@ class PublisherStore:
         """Seconds until a message needs a publisher; ``None`` if none will."""
         row = self.conn.execute(query("seconds_until_due")).fetchone()
         return None if row is None or row[0] is None else float(row[0])
+
+
+#: The bound a claim-ahead puts on its candidates (see claim_batch).
+_HORIZON = """AND m.seq <= (SELECT max(w.seq) FROM (
+          SELECT seq FROM outbox.messages WHERE state = 'pending'
+          ORDER BY seq LIMIT %(horizon)s) AS w)"""
 
 
 def array_literal(values: Iterable[object]) -> str:
