@@ -27,10 +27,11 @@ from urllib.parse import urlsplit
 
 import psycopg
 from kafka import KafkaAdminClient
+from kafka.admin import NewTopic
 from kafka.errors import KafkaError
 from psycopg import sql
-from throughput import KEYS, PARTITIONS, make_records, new_topic
 
+import outbox
 from outbox.migrations import migrate
 
 __all__ = [
@@ -50,6 +51,31 @@ __all__ = [
     "stop_publisher",
     "temporary_database",
 ]
+
+KEYS = 1_000
+PARTITIONS = 3
+
+
+def make_records(count: int) -> list[outbox.Message]:
+    """``count`` records of about 200 bytes each, keyed over 1,000 keys."""
+    return [
+        outbox.Message(
+            "placeholder",
+            json.dumps({"event": "OrderPlaced", "seq": i, "pad": "x" * 150}).encode(),
+            key=f"customer-{i % KEYS:04d}",
+        )
+        for i in range(count)
+    ]
+
+
+def new_topic(bootstrap: str) -> str:
+    """Create a fresh topic with the benchmark's partition count."""
+    name = f"bench-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)])
+    admin.close()
+    return name
+
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULTS = RESULTS_DIR / "latest.json"

@@ -17,19 +17,14 @@ the figure to judge. Results also go to benchmarks/results/latest.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 import uuid
-from datetime import UTC, datetime
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import psycopg
-from kafka import KafkaAdminClient, KafkaProducer
-from kafka.admin import NewTopic
+from common import KEYS, PARTITIONS, environment, make_records, new_topic, record_results
+from kafka import KafkaProducer
 from psycopg import sql
 
 import outbox
@@ -37,31 +32,6 @@ from outbox.migrations import migrate
 from publisher.cli import build_publisher
 from publisher.config import PublisherConfig
 from publisher.partitioning import partition_for
-
-RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
-KEYS = 1_000
-PARTITIONS = 3
-
-
-def make_records(count: int) -> list[outbox.Message]:
-    """``count`` records of about 200 bytes each, keyed over 1,000 keys."""
-    return [
-        outbox.Message(
-            "placeholder",
-            json.dumps({"event": "OrderPlaced", "seq": i, "pad": "x" * 150}).encode(),
-            key=f"customer-{i % KEYS:04d}",
-        )
-        for i in range(count)
-    ]
-
-
-def new_topic(bootstrap: str) -> str:
-    """Create a fresh topic with the benchmark's partition count."""
-    name = f"bench-{uuid.uuid4().hex[:10]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)])
-    admin.close()
-    return name
 
 
 def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
@@ -146,12 +116,13 @@ def end_to_end(
 def main() -> None:
     """Run the interleaved rounds and print rates and their ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=1_000)
+    parser.add_argument(
+        "--batch-size", type=int, default=PublisherConfig.batch_size, help="publisher batch"
+    )
     args = parser.parse_args()
-    database_url = os.environ["OUTBOX_DATABASE_URL"]
-    bootstrap = os.environ["OUTBOX_KAFKA_BOOTSTRAP"]
+    database_url, bootstrap = environment()
     records = make_records(args.messages)
     size = statistics.mean(len(r.value) + len(str(r.key)) for r in records)
     print(
@@ -173,27 +144,22 @@ def main() -> None:
 
     bare_median, e2e_median = statistics.median(bare_rates), statistics.median(e2e_rates)
     ratio = e2e_median / bare_median
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "throughput",
-                "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                "machine": f"{platform.machine()} {os.cpu_count()} cores",
-                "messages": args.messages,
-                "batch_size": args.batch_size,
-                "bare_msgs_per_s": [round(r) for r in bare_rates],
-                "end_to_end_msgs_per_s": [round(r) for r in e2e_rates],
-                "ratio_of_medians": round(ratio, 3),
-            },
-            indent=2,
-        )
-        + "\n"
+    record_results(
+        "throughput",
+        {
+            "messages": args.messages,
+            "batch_size": args.batch_size,
+            "bare_msgs_per_s": [round(r) for r in bare_rates],
+            "end_to_end_msgs_per_s": [round(r) for r in e2e_rates],
+            "ratio_of_medians": round(ratio, 3),
+            "target": 0.85,
+        },
     )
     print(
         f"bare producer median {bare_median:,.0f} msg/s, end to end median {e2e_median:,.0f} msg/s"
     )
-    print(f"ratio end to end / bare producer: {ratio:.2f}")
+    verdict = "met" if ratio >= 0.85 else "MISSED"
+    print(f"throughput ratio end to end / bare producer: {ratio:.2f} (target 0.85): {verdict}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ class FakeStore(PublisherStore):
         """Record the clean stop."""
         self.events.append("mark_stopped")
 
-    def claim(self, limit: int, lease_seconds: float) -> Batch | None:
+    def claim(
+        self, limit: int, lease_seconds: float, *, horizon: int | None = None
+    ) -> Batch | None:
         """Hand out the next prepared batch, then None."""
         self.events.append("claim")
         return self.batches.pop(0) if self.batches else None
