@@ -15,7 +15,7 @@ help:
 	@echo "make test           ruff, mypy and every test against the real services"
 	@echo "make unit           only the tests that need no services"
 	@echo "make demo           an example service writes orders; a publisher delivers them"
-	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers"
+	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers, sinks"
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,7 @@ bench: venv services
 	$(WITH_SERVICES) $(BIN)/python benchmarks/enqueue_cost.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/growth.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/publishers.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/sinks.py --record
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -163,7 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=1_000)
+    parser.add_argument("--batch-size", type=int, default=PublisherConfig.batch_size)
     parser.add_argument("--record", action="store_true", help="keep the figures in latest.json")
     args = parser.parse_args()
     base_url, bootstrap = environment()
