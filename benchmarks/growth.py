@@ -49,9 +49,9 @@ from common import (
 
 import outbox
 from outbox.migrations import migrate
-from outbox.queries import query
 from publisher.cli import build_publisher
 from publisher.config import PublisherConfig
+from publisher.store import claim_statement
 
 TARGET_RATIO = 0.9
 EXPLAIN_FILE = RESULTS_DIR / "claim_explain.txt"
@@ -131,21 +131,27 @@ def explain_claim(url: str, batch_size: int) -> tuple[str, str]:
     """The claim's plan as the publisher runs it: the first claim of the backlog, and the
     next one while that first batch is still in flight. Nothing is kept (rolled back)."""
     owner = uuid.uuid4()
-    params = {"owner": owner, "limit": batch_size, "lease_seconds": 60.0}
+    params = {
+        "owner": owner,
+        "limit": batch_size,
+        "lease_seconds": 60.0,
+        "horizon": 2 * batch_size,
+    }
     with psycopg.connect(url) as conn:
         conn.execute("SET LOCAL jit = off")
         conn.execute(
             "UPDATE outbox.lanes SET owner = %s, lease_expires_at = now() + interval '1 hour'",
             (owner,),
         )
+        # The first claim has no horizon; the next is a claim-ahead, with one.
         plans = [
             "\n".join(
                 r[0]
                 for r in conn.execute(
-                    "EXPLAIN (ANALYZE, BUFFERS) " + query("claim_batch"), params
+                    "EXPLAIN (ANALYZE, BUFFERS) " + claim_statement(ahead=ahead), params
                 ).fetchall()
             )
-            for _ in range(2)
+            for ahead in (False, True)
         ]
         conn.rollback()
     return plans[0], plans[1]
@@ -271,9 +277,10 @@ def main() -> None:
         f"{args.batch_size}, {args.messages:,} pending messages of one topic over {KEYS:,} keys, "
         f"one publisher owning every lane; written by benchmarks/growth.py "
         f"({datetime.now(UTC):%Y-%m-%d}).\n"
-        f"'next claim' is the claim after the first, while the first batch is still in flight "
-        f"(the publisher claims the next batch while it sends one): every key of the backlog has "
-        f"a message in flight, so every pending row is held back.\n\n"
+        f"'next claim' is the claim-ahead made while the first batch is still in flight (the "
+        f"publisher claims the next batch while it sends one), bounded to the oldest "
+        f"{2 * args.batch_size:,} pending messages; those whose key has a message in flight are "
+        f"held back.\n\n"
         f"=== with history: outbox.messages after the run held {sizes['history']}, "
         f"1 in 11 of the history quarantined; first claim ===\n\n{plans['history'][0]}\n\n"
         f"=== with history: next claim ===\n\n{plans['history'][1]}\n\n"

@@ -199,9 +199,8 @@ class PublisherStore:
         With ``horizon``, only the oldest ``horizon`` pending messages are
         candidates (a claim made ahead, which may well find every key busy).
         """
-        sql = query("claim_batch").format(horizon="" if horizon is None else _HORIZON)
         rows = self.conn.execute(
-            sql,
+            claim_statement(ahead=horizon is not None),
             {
                 "limit": limit,
                 "owner": self.publisher_id,
@@ -329,6 +328,11 @@ class PublisherStore:
 _HORIZON = """AND m.seq <= (SELECT max(w.seq) FROM (
           SELECT seq FROM outbox.messages WHERE state = 'pending'
           ORDER BY seq LIMIT %(horizon)s) AS w)"""
+
+
+def claim_statement(*, ahead: bool) -> str:
+    """The claim's SQL: with ``ahead``, bounded by the ``horizon`` parameter."""
+    return query("claim_batch").format(horizon=_HORIZON if ahead else "")
 
 
 def array_literal(values: Iterable[object]) -> str:
