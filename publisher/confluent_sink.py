@@ -23,7 +23,14 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from kafka import errors as kafka_errors
 
 from publisher.outcomes import TopicMissing, from_librdkafka
-from publisher.sink import InFlight, KafkaSinkConfig, OutgoingRecord, SendReport
+from publisher.sink import (
+    InFlight,
+    KafkaSinkConfig,
+    OutgoingRecord,
+    SendReport,
+    held_back,
+    key_identity,
+)
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +170,19 @@ class ConfluentSink:
         """Hand every record to the producer; a refusal is kept as its report."""
         producer = self._get_producer()
         in_flight = _ConfluentInFlight(producer, [None] * len(records))
+        refused_keys: set[tuple[str, bytes] | None] = set()
         for index, r in enumerate(records):
+            key = key_identity(r)
+            if key is not None and key in refused_keys:
+                in_flight.reports[index] = held_back()
+                continue
             try:
                 self._produce(producer, r, partial(_on_delivery, in_flight.reports, index))
             except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
                 in_flight.reports[index] = SendReport(
                     None, None, self._refusal(exc), handed_to_producer=False
                 )
+                refused_keys.add(key)
         return in_flight
 
     def _produce(

@@ -55,7 +55,7 @@ from publisher.outcomes import (
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.retention import RetentionRunner
-from publisher.sink import OutgoingRecord, SendReport, Sink
+from publisher.sink import HeldBack, OutgoingRecord, SendReport, Sink
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
 
@@ -427,6 +427,8 @@ class Publisher:
             self._progress()
             self._observe_acks(group, reports, created or {})
             for r, report in zip(group, reports, strict=True):
+                if isinstance(report.error, HeldBack):
+                    continue  # never handed over: settled unsent, behind the refused one
                 sent[r.message_id] = (r, report)
                 if report.error is not None and r.message_id in keys:
                     stopped_keys.add(keys[r.message_id])
@@ -449,6 +451,8 @@ class Publisher:
         answered = False
         failure: BaseException | None = None
         for r, report in zip(records, reports, strict=True):
+            if isinstance(report.error, HeldBack):
+                continue
             if report.error is None:
                 answered = True
                 committed = created.get(r.message_id)

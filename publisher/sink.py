@@ -49,6 +49,30 @@ class SendReport:
     handed_to_producer: bool
 
 
+class HeldBack(Exception):
+    """Not handed to the producer: an earlier record of its key in the same send was refused.
+
+    Handing it over anyway could write it ahead of the refused record, which
+    will be sent again later (or never): a key's records leave in order or
+    not at all. The loop settles it pending, unsent, behind the refused one.
+    """
+
+
+def key_identity(record: OutgoingRecord) -> tuple[str, bytes] | None:
+    """The key a record's order is kept within: its topic and key (None when unkeyed)."""
+    return None if record.key is None else (record.topic, record.key)
+
+
+def held_back() -> SendReport:
+    """The report of a record held back behind a refusal of its key in the same send."""
+    return SendReport(
+        None,
+        None,
+        HeldBack("an earlier record of its key was refused in this send"),
+        handed_to_producer=False,
+    )
+
+
 class InFlight(Protocol):
     """Records handed to the producer, not yet reported on."""
 
@@ -65,7 +89,11 @@ class Sink(Protocol):
         ...
 
     def send(self, records: Sequence[OutgoingRecord]) -> InFlight:
-        """Hand every record to the producer without waiting for the broker."""
+        """Hand every record to the producer without waiting for the broker.
+
+        Once the producer refuses a record, the later records of its key are
+        not handed over: their reports are ``held_back()``.
+        """
         ...
 
     def complete(self, in_flight: InFlight) -> list[SendReport]:
@@ -178,13 +206,19 @@ class KafkaSink:
         """Hand every record to the producer; a refusal is kept as its report."""
         producer = self._get_producer()
         in_flight = _KafkaInFlight()
+        refused_keys: set[tuple[str, bytes] | None] = set()
         for r in records:
+            key = key_identity(r)
+            if key is not None and key in refused_keys:
+                in_flight.entries.append(held_back())
+                continue
             try:
                 future = producer.send(
                     r.topic, value=r.value, key=r.key, headers=r.headers, partition=r.partition
                 )
             except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
                 in_flight.entries.append(SendReport(None, None, exc, handed_to_producer=False))
+                refused_keys.add(key)
             else:
                 in_flight.entries.append(future)
         return in_flight

@@ -21,7 +21,7 @@ from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.loop import Publisher
 from publisher.partitioning import partition_for
-from publisher.sink import OutgoingRecord, SendReport
+from publisher.sink import OutgoingRecord, SendReport, held_back, key_identity
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
 
@@ -135,8 +135,16 @@ class FakeSink:
         """Report on each record handed over, in order."""
         self.events.append("complete")
         result = []
+        refused_keys = set()
         for r in in_flight:
+            # As the real sinks do: after a refusal by send(), later records of
+            # the key are not handed over.
+            if key_identity(r) is not None and key_identity(r) in refused_keys:
+                result.append(held_back())
+                continue
             report = self.reports.get(r.message_id)
+            if report is not None and not report.handed_to_producer:
+                refused_keys.add(key_identity(r))
             if report is None:
                 report = SendReport(r.partition, self._next_offset, None, handed_to_producer=True)
                 self._next_offset += 1
@@ -195,7 +203,7 @@ def _setup(
 
 def test_run_once_settles_every_outcome_in_batch_order() -> None:
     """Confirmed, refused, uncertain and too-large records settle once, in order, as designed."""
-    ok, refused, unknown, too_large = (_message(attempt=2) for _ in range(4))
+    ok, refused, unknown, too_large = (_message(attempt=2, key=f"k{i}".encode()) for i in range(4))
     _, store, sink, publisher = _setup(ok, refused, unknown, too_large)
     sink.reports = {
         refused.id: SendReport(
@@ -472,3 +480,28 @@ def test_an_uncertain_outcome_in_a_lone_send_discards_the_producer_before_the_ne
         "settle",
     ]
     assert [s.state for s in store.settled[0]] == [State.UNCERTAIN, State.DELIVERED]
+
+
+def test_a_record_refused_by_send_holds_back_later_records_of_its_key() -> None:
+    """The next record of a refused key is not sent and settles unsent; other keys go on."""
+    first, second = (_message(key=b"k") for _ in range(2))
+    other = _message(key=b"j")
+    _, store, sink, publisher = _setup(first, second, other)
+    sink.reports = {
+        first.id: SendReport(
+            None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
+        )
+    }
+
+    publisher.run_once()
+
+    [settled] = store.settled
+    by_id = {s.message_id: s for s in settled}
+    assert (by_id[first.id].state, by_id[first.id].attempt_outcome) == (State.PENDING, "failed")
+    assert (by_id[second.id].state, by_id[second.id].attempt_outcome) == (
+        State.PENDING,
+        "abandoned",
+    )
+    assert by_id[second.id].counts_as_failure is False
+    assert by_id[other.id].state is State.DELIVERED
+    assert publisher.health.kafka.ok is True  # the broker answered the other key

@@ -140,7 +140,7 @@ def test_a_batch_counts_deliveries_failures_by_class_and_latencies() -> None:
     """Confirmed, not written, uncertain and refused records each land in their counter."""
     created = datetime.now(UTC) - timedelta(seconds=2)
     ok, refused, unknown, too_large = (
-        replace(_message(attempt=2), created_at=created) for _ in range(4)
+        replace(_message(attempt=2, key=f"k{i}".encode()), created_at=created) for i in range(4)
     )
     _, _, sink, publisher = _setup(ok, refused, unknown, too_large)
     sink.reports = {
