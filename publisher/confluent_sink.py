@@ -256,6 +256,12 @@ class ConfluentSink:
             return
         try:
             producer.purge(in_queue=True, in_flight=True, blocking=True)
+        except (KafkaException, RuntimeError) as exc:
+            # Closing would flush, i.e. send what the purge did not remove:
+            # the producer is dropped unclosed instead.
+            log.error("could not purge the discarded producer, dropping it unclosed: %s", exc)
+            return
+        try:
             # Serves the purged records' delivery reports; nothing is left to send.
             producer.flush(self._config.request_timeout_ms / 1000)
         except (KafkaException, RuntimeError) as exc:

@@ -107,6 +107,9 @@ class Publisher:
         #: claimed in a worker thread while this one is being sent.
         self._ahead_store = claim_ahead_store
         self._ahead: Future[Batch | None] | None = None
+        #: Set when the last claim-ahead came back short: the next batch is
+        #: claimed in full, after the current one settles.
+        self._ahead_paused = False
         self._ahead_worker: ThreadPoolExecutor | None = None
         self.sink = sink
         self.waker = waker or Waker(None)
@@ -317,8 +320,13 @@ class Publisher:
     def _take_claim(self) -> Batch | None:
         """The batch claimed ahead while the last one was sent, or a claim now."""
         ahead, self._ahead = self._ahead, None
+        self._ahead_paused = False
         if ahead is not None:
             batch = ahead.result()  # raises what the claim raised
+            # Short (its horizon was mostly keys in flight, or held behind a
+            # stuck message): no claim-ahead while it is sent, so that the
+            # next claim, made after it settles, can fill a whole batch.
+            self._ahead_paused = batch is None or len(batch.messages) < self.config.batch_size
             if batch is not None:
                 return batch
             # Nothing was claimable then (its keys were in flight): they may be now.
@@ -331,7 +339,12 @@ class Publisher:
         this batch is held until the batch settles, so per-key order is kept
         exactly as between two publishers.
         """
-        if self._ahead_store is None or self._ahead is not None or self._stopping.is_set():
+        if (
+            self._ahead_store is None
+            or self._ahead is not None
+            or self._ahead_paused
+            or self._stopping.is_set()
+        ):
             return
         if self._ahead_worker is None:
             self._ahead_worker = ThreadPoolExecutor(1, thread_name_prefix="outbox-claim-ahead")

@@ -23,9 +23,15 @@ def partition_for(key: bytes | None, message_id: uuid.UUID, partition_count: int
     """
     if partition_count <= 0:
         raise ValueError(f"a topic has at least one partition, got {partition_count}")
-    if key is not None:
+    if key is not None and len(key) <= _CACHED_KEY_BYTES:
         return _keyed(key, partition_count)
+    if key is not None:
+        return (int(murmur2(key)) & 0x7FFFFFFF) % partition_count
     return (int(murmur2(message_id.bytes)) & 0x7FFFFFFF) % partition_count
+
+
+#: Longer keys are hashed every time, so the cache stays small (at most 16 MiB of keys).
+_CACHED_KEY_BYTES = 256
 
 
 @functools.lru_cache(maxsize=65_536)

@@ -326,7 +326,8 @@ class PublisherStore:
 
 #: The bound a claim-ahead puts on its candidates (see claim_batch).
 _HORIZON = """AND m.seq <= (SELECT max(w.seq) FROM (
-          SELECT seq FROM outbox.messages WHERE state = 'pending'
+          SELECT seq FROM outbox.messages
+          WHERE state = 'pending' AND available_at <= now() AND lane IN (SELECT lane FROM mine)
           ORDER BY seq LIMIT %(horizon)s) AS w)"""
 
 
@@ -351,6 +352,8 @@ def array_literal(values: Iterable[object]) -> str:
             parts.append("t" if v else "f")
         elif isinstance(v, int | float | uuid.UUID):
             parts.append(str(v))
+        elif isinstance(v, str):
+            parts.append('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"')
         else:
-            parts.append('"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"')
+            raise TypeError(f"array_literal takes str, int, float, bool, UUID or None, not {v!r}")
     return "{" + ",".join(parts) + "}"

@@ -505,3 +505,31 @@ def test_a_record_refused_by_send_holds_back_later_records_of_its_key() -> None:
     assert by_id[second.id].counts_as_failure is False
     assert by_id[other.id].state is State.DELIVERED
     assert publisher.health.kafka.ok is True  # the broker answered the other key
+
+
+def test_a_short_claim_ahead_pauses_claiming_ahead_for_one_batch() -> None:
+    """Full claim-ahead: the next goes on; short: none during its send; then again."""
+    config = replace(CONFIG, batch_size=2)
+    events: list[str] = []
+    store = FakeStore(events, [_batch(_message(key=b"a"), _message(key=b"b"))])
+    ahead_events: list[str] = []
+    ahead = FakeStore(
+        ahead_events,
+        [
+            _batch(_message(key=b"c"), _message(key=b"d")),  # full
+            _batch(_message(key=b"e")),  # short
+            None,  # would be claimed ahead if not paused
+        ],
+    )
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, config, claim_ahead_store=ahead)
+    try:
+        publisher.run_once()  # claims a, b; claims c, d ahead
+        publisher.run_once()  # takes c, d (full); claims e ahead
+        publisher.run_once()  # takes e (short): nothing claimed ahead during its send
+        assert ahead_events.count("claim") == 2
+        assert len(ahead.batches) == 1
+        publisher.run_once()  # an ordinary claim (none left); the pause is over
+    finally:
+        publisher._release_claimed_ahead()
+    assert [len(s) for s in store.settled + ahead.settled] == [2, 2, 1]
