@@ -35,7 +35,7 @@ from common import (
     temporary_database,
 )
 from confluent_kafka import Producer
-from kafka import KafkaProducer
+from throughput import bare_producer
 
 import outbox
 from publisher.cli import build_publisher
@@ -97,31 +97,11 @@ def _prepared(records: list[outbox.Message]) -> list[tuple[bytes, bytes, list[tu
 
 def bare(bootstrap: str, records: list[outbox.Message], sink: str) -> float:
     """Seconds for the producer alone (idempotent, acks=all, linger 5 ms) to send and flush all."""
+    if sink == "kafka-python":
+        return bare_producer(bootstrap, records)
     topic = new_topic(bootstrap)
     prepared = _prepared(records)
     try:
-        if sink == "kafka-python":
-            producer: Any = KafkaProducer(
-                bootstrap_servers=bootstrap,
-                enable_idempotence=True,
-                acks="all",
-                linger_ms=5,
-                batch_size=256 * 1024,
-            )
-            producer.partitions_for(topic)
-            start = time.perf_counter()
-            for key, value, headers in prepared:
-                producer.send(
-                    topic,
-                    value=value,
-                    key=key,
-                    headers=headers,
-                    partition=partition_for(key, uuid.UUID(int=0), PARTITIONS),
-                )
-            producer.flush()
-            elapsed = time.perf_counter() - start
-            producer.close()
-            return elapsed
         delivered: list[int] = []
 
         def on_delivery(error: Any, _message: Any) -> None:

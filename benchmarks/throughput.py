@@ -23,7 +23,15 @@ import uuid
 from urllib.parse import urlsplit
 
 import psycopg
-from common import KEYS, PARTITIONS, environment, make_records, new_topic, record_results
+from common import (
+    KEYS,
+    PARTITIONS,
+    delete_topic,
+    environment,
+    make_records,
+    new_topic,
+    record_results,
+)
 from kafka import KafkaProducer
 from psycopg import sql
 
@@ -37,31 +45,35 @@ from publisher.partitioning import partition_for
 def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
     """Seconds for kafka-python alone to send and flush every record."""
     topic = new_topic(bootstrap)
-    producer = KafkaProducer(
-        bootstrap_servers=bootstrap,
-        enable_idempotence=True,
-        acks="all",
-        linger_ms=5,
-        batch_size=256 * 1024,
-    )
-    producer.partitions_for(topic)  # metadata fetched before the clock starts, as for the publisher
-    prepared = [
-        (str(key).encode(), r.value, [("outbox-id", str(uuid.uuid4()).encode())])
-        for key, r in ((r.key, r) for r in records)
-    ]
-    start = time.perf_counter()
-    for key, value, headers in prepared:
-        producer.send(
-            topic,
-            value=value,
-            key=key,
-            headers=headers,
-            partition=partition_for(key, uuid.UUID(int=0), PARTITIONS),
+    try:
+        producer = KafkaProducer(
+            bootstrap_servers=bootstrap,
+            enable_idempotence=True,
+            acks="all",
+            linger_ms=5,
+            batch_size=256 * 1024,
         )
-    producer.flush()
-    elapsed = time.perf_counter() - start
-    producer.close()
-    return elapsed
+        # Metadata fetched before the clock starts, as for the publisher.
+        producer.partitions_for(topic)
+        prepared = [
+            (str(r.key).encode(), r.value, [("outbox-id", str(uuid.uuid4()).encode())])
+            for r in records
+        ]
+        start = time.perf_counter()
+        for key, value, headers in prepared:
+            producer.send(
+                topic,
+                value=value,
+                key=key,
+                headers=headers,
+                partition=partition_for(key, uuid.UUID(int=0), PARTITIONS),
+            )
+        producer.flush()
+        elapsed = time.perf_counter() - start
+        producer.close()
+        return elapsed
+    finally:
+        delete_topic(bootstrap, topic)
 
 
 def _database(url: str, name: str) -> str:
