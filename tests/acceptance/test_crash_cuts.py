@@ -134,3 +134,41 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
         scanner.close()
         store.close()
     assert count_by_state(database_url) == {"delivered": TOTAL}
+
+
+def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Every message its own key: batch 3 is claimed ahead while 2 is sent, then the crash."""
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(TOTAL)]
+        )
+    process = start_publisher(
+        database_url, kafka_bootstrap, *FAST, env={"OUTBOX_CRASH_AT": "after_claim:3"}
+    )
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == CRASH_EXIT_CODE, stderr
+
+    # Batches 1 and 2 delivered; batch 3 in flight under a live lease, never sent.
+    assert count_by_state(database_url) == {"delivered": 2 * BATCH, "in_flight": BATCH}
+    with psycopg.connect(database_url) as conn:
+        third = conn.execute(
+            "SELECT send_began_at, settled_at FROM outbox.batches ORDER BY id OFFSET 2"
+        ).fetchall()
+    assert third == [(None, None)]
+
+    finisher = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
+    _, stderr = finisher.communicate(timeout=180)
+    assert finisher.returncode == 0, stderr
+    assert count_by_state(database_url) == {"delivered": TOTAL}
+    assert_each_delivered_once(database_url, kafka_bootstrap, topic, ids)
+    with psycopg.connect(database_url) as conn:
+        evidence = conn.execute(
+            "SELECT a.outcome, a.send_began, count(*) FROM outbox.attempts a "
+            "WHERE a.outcome <> 'delivered' GROUP BY 1, 2"
+        ).fetchall()
+        decisions = conn.execute("SELECT count(*) FROM outbox.decisions").fetchone()
+    # Recovered as never sent: back to pending, nothing to reconcile.
+    assert evidence == [("abandoned", False, BATCH)]
+    assert decisions == (0,)
