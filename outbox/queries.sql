@@ -412,15 +412,19 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)
 
 -- name: heartbeat
 -- Say this publisher is alive and, when asked to, renew the leases it holds
--- that would expire soon. An expired lease is never renewed: once expired, a
--- message belongs to recovery. Rows locked by a settle in progress are
--- skipped (they are leaving in_flight), so a heartbeat never waits on one.
+-- that would expire soon, of the batches its loop still works on (all of
+-- them when batches is NULL): a batch the loop gave up on, or never heard
+-- of (its claim's answer was lost), is left to expire and to recovery. An
+-- expired lease is never renewed: once expired, a message belongs to
+-- recovery. Rows locked by a settle in progress are skipped (they are
+-- leaving in_flight), so a heartbeat never waits on one.
 WITH alive AS (
     UPDATE outbox.publishers SET heartbeat_at = now() WHERE id = %(id)s
 ), expiring AS (
     SELECT id
     FROM outbox.messages
     WHERE %(renew)s AND state = 'in_flight' AND lease_owner = %(id)s
+      AND (%(batches)s::bigint[] IS NULL OR batch_id = ANY(%(batches)s::bigint[]))
       AND lease_expires_at > now()
       AND lease_expires_at < now() + make_interval(secs => %(lease_seconds)s::float8 / 2)
     FOR UPDATE SKIP LOCKED

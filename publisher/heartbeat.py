@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import psycopg
 
@@ -37,6 +37,7 @@ class Heartbeat:
         progressing: Callable[[], bool],
         lanes: LaneKeeper | None = None,
         database: Contact | None = None,
+        held_batches: Callable[[], Collection[int]] | None = None,
     ) -> None:
         self._store = store
         self._database = database
@@ -44,6 +45,8 @@ class Heartbeat:
         self._interval = interval
         self._lease_seconds = lease_seconds
         self._progressing = progressing
+        #: The batches whose leases may be renewed (None: every lease held).
+        self._held_batches = held_batches
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -55,7 +58,10 @@ class Heartbeat:
 
     def beat(self) -> int:
         """One heartbeat now; returns how many leases were renewed."""
-        renewed = self._store.heartbeat(self._lease_seconds, renew=self._progressing())
+        batches = None if self._held_batches is None else self._held_batches()
+        renewed = self._store.heartbeat(
+            self._lease_seconds, renew=self._progressing(), batches=batches
+        )
         if renewed:
             log.debug("renewed %d leases", renewed)
         if self.lanes is not None:

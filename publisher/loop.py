@@ -107,6 +107,9 @@ class Publisher:
         #: claimed in a worker thread while this one is being sent.
         self._ahead_store = claim_ahead_store
         self._ahead: Future[Batch | None] | None = None
+        #: Ids of the batches in hand (being sent, or claimed ahead).
+        self._held: set[int] = set()
+        self._held_lock = threading.Lock()
         #: Set when the last claim-ahead came back short: the next batch is
         #: claimed in full, after the current one settles.
         self._ahead_paused = False
@@ -151,6 +154,7 @@ class Publisher:
                 progressing=self._progressing,
                 lanes=LaneKeeper(heartbeat_store, config.lease_seconds),
                 database=self.health.database,
+                held_batches=self.held_batches,
             )
             if heartbeat_store is not None
             else None
@@ -262,17 +266,38 @@ class Publisher:
         batch = self._take_claim()
         if batch is None:
             return 0
-        self._progress()
-        self.faults.reached("after_claim")
-        if self._stopping.is_set():
-            self._settle(batch, [self._release(m) for m in batch.messages])
-            return len(batch.messages)
-        settlements = self._send(batch)
-        self.faults.reached("after_ack")
-        self._settle(batch, settlements)
+        self._hold(batch)
+        try:
+            self._progress()
+            self.faults.reached("after_claim")
+            if self._stopping.is_set():
+                self._settle(batch, [self._release(m) for m in batch.messages])
+                return len(batch.messages)
+            settlements = self._send(batch)
+            self.faults.reached("after_ack")
+            self._settle(batch, settlements)
+        finally:
+            # Settled, or given up on (an error on the way): either way its
+            # leases are no longer renewed; recovery takes what is left.
+            self._let_go(batch)
         self.metrics.batch_seconds.observe(max(self._clock() - started, 0.0))
         self.faults.reached("after_confirm")
         return len(batch.messages)
+
+    def held_batches(self) -> list[int]:
+        """The batches this loop still works on: the heartbeat renews only their leases."""
+        with self._held_lock:
+            return list(self._held)
+
+    def _hold(self, batch: Batch | None) -> Batch | None:
+        if batch is not None:
+            with self._held_lock:
+                self._held.add(batch.id)
+        return batch
+
+    def _let_go(self, batch: Batch) -> None:
+        with self._held_lock:
+            self._held.discard(batch.id)
 
     def _send(self, batch: Batch) -> list[Settlement]:
         """Send what this publisher still holds of the batch; one settlement per message."""
@@ -351,11 +376,15 @@ class Publisher:
         # Only the oldest pending messages are candidates: when every one of
         # them waits behind this batch, the claim gives up at once, and the
         # loop claims again (without a bound) once this batch has settled.
+        store = self._ahead_store
         self._ahead = self._ahead_worker.submit(
-            self._ahead_store.claim,
-            self.config.batch_size,
-            self.config.lease_seconds,
-            horizon=2 * self.config.batch_size,
+            lambda: self._hold(
+                store.claim(
+                    self.config.batch_size,
+                    self.config.lease_seconds,
+                    horizon=2 * self.config.batch_size,
+                )
+            )
         )
 
     def _release_claimed_ahead(self) -> None:
@@ -374,6 +403,8 @@ class Publisher:
                 log.warning(
                     "could not release %d messages claimed ahead: %s", len(batch.messages), exc
                 )
+            finally:
+                self._let_go(batch)
         if self._ahead_worker is not None:
             self._ahead_worker.shutdown()
             self._ahead_worker = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -150,14 +150,22 @@ class PublisherStore:
             {"id": self.publisher_id, "host": socket.gethostname(), "pid": pid, "version": version},
         )
 
-    def heartbeat(self, lease_seconds: float, *, renew: bool) -> int:
+    def heartbeat(
+        self, lease_seconds: float, *, renew: bool, batches: Collection[int] | None = None
+    ) -> int:
         """Say this publisher is alive; with ``renew``, extend leases that expire soon.
 
-        Returns how many leases were renewed.
+        Only the leases of ``batches`` are renewed, when given. Returns how
+        many leases were renewed.
         """
         row = self.conn.execute(
             query("heartbeat"),
-            {"id": self.publisher_id, "lease_seconds": float(lease_seconds), "renew": renew},
+            {
+                "id": self.publisher_id,
+                "lease_seconds": float(lease_seconds),
+                "renew": renew,
+                "batches": None if batches is None else list(batches),
+            },
         ).fetchone()
         return int(row[0]) if row else 0
 

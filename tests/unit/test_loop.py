@@ -8,7 +8,7 @@ outcome is recorded).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -59,7 +59,9 @@ class FakeStore(PublisherStore):
         self.events.append("register")
         self.registered.append((version, pid))
 
-    def heartbeat(self, lease_seconds: float, *, renew: bool) -> int:
+    def heartbeat(
+        self, lease_seconds: float, *, renew: bool, batches: Collection[int] | None = None
+    ) -> int:
         """Record the heartbeat."""
         self.events.append("heartbeat")
         return 0
@@ -533,3 +535,31 @@ def test_a_short_claim_ahead_pauses_claiming_ahead_for_one_batch() -> None:
     finally:
         publisher._release_claimed_ahead()
     assert [len(s) for s in store.settled + ahead.settled] == [2, 2, 1]
+
+
+def test_the_loop_holds_a_batch_from_its_claim_to_its_settle() -> None:
+    """While a batch is sent, it and the batch claimed ahead are held; once settled, not."""
+    first, ahead = _message(key=b"a"), _message(key=b"b")
+    events: list[str] = []
+    store = FakeStore(events, [replace(_batch(first), id=1)])
+    ahead_store = FakeStore([], [replace(_batch(ahead), id=2), None])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, claim_ahead_store=ahead_store)
+    seen: list[list[int]] = []
+    original = sink.send
+
+    def send(records: Sequence[OutgoingRecord]) -> list[OutgoingRecord]:
+        if publisher._ahead is not None:
+            publisher._ahead.result()  # let the claim-ahead come back first
+        seen.append(sorted(publisher.held_batches()))
+        return original(records)
+
+    sink.send = send  # type: ignore[method-assign]
+    try:
+        publisher.run_once()
+        assert publisher.held_batches() == [2]  # claimed ahead, not sent yet
+        publisher.run_once()
+    finally:
+        publisher._release_claimed_ahead()
+    assert seen == [[1, 2], [2]]
+    assert publisher.held_batches() == []
