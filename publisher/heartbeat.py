@@ -3,7 +3,8 @@
 A background thread, on a connection of its own, updates
 ``outbox.publishers.heartbeat_at`` every interval, renews the message leases
 this publisher holds that would expire within half a lease, and keeps its
-fair share of lanes (``publisher.lanes``). It renews message leases only
+fair share of lanes (``publisher.lanes``), which it also rebalances every
+second between beats. It renews message leases only
 while the publisher loop reports progress: a loop that is stuck must lose its
 leases, so that recovery can move its messages on. Each beat also tells the
 publisher's health whether the database answered, so an idle publisher
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection
 
 import psycopg
@@ -23,6 +25,9 @@ from publisher.lanes import LaneKeeper
 from publisher.store import PublisherStore
 
 log = logging.getLogger(__name__)
+
+#: How often lanes are rebalanced between heartbeats.
+LANE_TICK_SECONDS = 1.0
 
 
 class Heartbeat:
@@ -82,9 +87,18 @@ class Heartbeat:
         self._store.close()
 
     def _run(self) -> None:
-        while not self._stopping.wait(self._interval):
+        # Lanes are balanced every second between beats, so that a publisher
+        # that starts (or stops) moves lanes within a second or two, not a
+        # heartbeat interval on each side.
+        tick = self._interval if self.lanes is None else min(self._interval, LANE_TICK_SECONDS)
+        next_beat = time.monotonic() + self._interval
+        while not self._stopping.wait(tick):
             try:
-                self.beat()
+                if time.monotonic() >= next_beat - tick / 2:
+                    next_beat = time.monotonic() + self._interval
+                    self.beat()
+                elif self.lanes is not None:
+                    self.lanes.balance()
             except psycopg.Error as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
                 if self._database is not None and isinstance(exc, psycopg.OperationalError):
