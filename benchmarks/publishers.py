@@ -12,8 +12,8 @@ deliver it. Two figures per run:
   processes' start (imports, connections, registration) and stop.
 
 Runs alternate (one, two, one, two, ...) on fresh databases and topics. The
-publishers share the work by lanes (a fair share each, rebalanced at each
-heartbeat), and on this machine they also share two cores with PostgreSQL
+publishers share the work by lanes (a fair share each, rebalanced every
+second), and on this machine they also share two cores with PostgreSQL
 and Kafka, so the ratio two / one may stay well below 2: the CPU seconds of
 the publisher processes, of PostgreSQL (this database's backends and the
 rest) and of Kafka, read from /proc, say where the time goes.

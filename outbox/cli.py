@@ -85,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Read the outbox.status view: for each state, over all topics and per "
         "topic, the count, the age of the oldest, retries, held keys and in-flight leases, "
         "and what to do next. Exit code 0 when nothing needs an operator, 1 when something "
-        "does (quarantined or uncertain messages, expired leases, pending messages and no "
-        "publisher running).",
+        "does (quarantined messages; uncertain ones that are escalated, overdue, or with no "
+        "publisher running; expired leases; pending messages and no publisher running).",
     )
     status.add_argument("--topic", help="only this topic's lines and held keys")
     status.add_argument("--json", action="store_true", help=_JSON_HELP)

@@ -337,8 +337,9 @@ SETTINGS: tuple[Setting, ...] = (
             "batches and leases", metavar="SECONDS"),
     Setting("heartbeat_interval", float, "seconds between heartbeats and lease renewals; at most "
             "half the lease", "batches and leases", metavar="SECONDS"),
-    Setting("exit_when_idle", bool, "exit 0 once nothing is pending, in flight or awaiting "
-            "reconciliation (for scripts and tests)", "batches and leases", flag_sets=True),
+    Setting("exit_when_idle", bool, "exit 0 once nothing is in flight, awaiting reconciliation "
+            "or pending (except behind a message only an operator can move); for scripts and "
+            "tests", "batches and leases", flag_sets=True),
     Setting("recovery_interval", float, "seconds between passes that recover expired leases",
             "recovery and reconciliation", metavar="SECONDS"),
     Setting("reconcile_interval", float, "seconds between reconciliation passes over uncertain "
@@ -346,8 +347,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry_base_seconds", float, "first retry delay of a message Kafka did not take; "
             "doubles per attempt", "retries", metavar="SECONDS"),
     Setting("retry_cap_seconds", float, "longest retry delay", "retries", metavar="SECONDS"),
-    Setting("max_attempts", int, "attempts after which a message Kafka keeps refusing is "
-            "quarantined", "retries", metavar="N"),
+    Setting("max_attempts", int, "attempts after which a message Kafka keeps not taking "
+            "(not written) is quarantined", "retries", metavar="N"),
     Setting("delivery_timeout_ms", int, "producer delivery timeout", "Kafka producer",
             metavar="MS"),
     Setting("request_timeout_ms", int, "producer request timeout", "Kafka producer", metavar="MS"),
