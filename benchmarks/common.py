@@ -33,6 +33,9 @@ from psycopg import sql
 
 import outbox
 from outbox.migrations import migrate
+from publisher.cli import build_publisher
+from publisher.config import PublisherConfig
+from publisher.loop import Publisher
 
 __all__ = [
     "KEYS",
@@ -46,6 +49,7 @@ __all__ = [
     "make_records",
     "new_topic",
     "percentile",
+    "publisher_on_backlog",
     "record_results",
     "start_publisher",
     "stop_publisher",
@@ -180,6 +184,45 @@ def temporary_database(
         yield name, url
     finally:
         drop_database(base_url, name)
+
+
+def publisher_on_backlog(
+    url: str,
+    bootstrap: str,
+    topic: str,
+    records: list[outbox.Message],
+    batch_size: int,
+    *,
+    before_checkpoint: Callable[[], None] | None = None,
+    **settings: Any,
+) -> Publisher:
+    """Commit ``records`` as pending intents of ``topic``; return a publisher ready to time.
+
+    The table is vacuumed and analysed, ``before_checkpoint`` runs (then the
+    table is vacuumed again), and a checkpoint writes everything out so that
+    none lands in the timed run; the publisher's topic metadata is warm, as
+    for a bare producer.
+    """
+    with psycopg.connect(url) as conn:
+        outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE outbox.messages")
+        if before_checkpoint is not None:
+            before_checkpoint()
+            conn.execute("VACUUM outbox.messages")
+        conn.execute("CHECKPOINT")
+    publisher = build_publisher(
+        PublisherConfig(
+            database_url=url,
+            kafka_bootstrap=bootstrap,
+            exit_when_idle=True,
+            batch_size=batch_size,
+            http_port=0,
+            **settings,
+        )
+    )
+    publisher.sink.partition_count(topic)
+    return publisher
 
 
 def delete_topic(bootstrap: str, name: str) -> None:

@@ -43,14 +43,13 @@ from common import (
     make_records,
     new_topic,
     postgres_groups,
+    publisher_on_backlog,
     record_results,
     temporary_database,
 )
 
 import outbox
 from outbox.migrations import migrate
-from publisher.cli import build_publisher
-from publisher.config import PublisherConfig
 from publisher.store import claim_statement
 
 TARGET_RATIO = 0.9
@@ -163,24 +162,17 @@ def deliver(
     """Enqueue ``records`` and deliver them; seconds, batches, the claim's plans, CPU seconds."""
     topic = new_topic(bootstrap)
     try:
-        with psycopg.connect(url) as conn:
-            outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("VACUUM ANALYZE outbox.messages")
-        plan = explain_claim(url, batch_size)
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("VACUUM outbox.messages")  # the rolled-back claim's dead rows
-            conn.execute("CHECKPOINT")
-        publisher = build_publisher(
-            PublisherConfig(
-                database_url=url,
-                kafka_bootstrap=bootstrap,
-                exit_when_idle=True,
-                batch_size=batch_size,
-                http_port=0,
-            )
+        plans: list[tuple[str, str]] = []
+        # The claim's plans on the analysed backlog (rolled back, then vacuumed away).
+        publisher = publisher_on_backlog(
+            url,
+            bootstrap,
+            topic,
+            records,
+            batch_size,
+            before_checkpoint=lambda: plans.append(explain_claim(url, batch_size)),
         )
-        publisher.sink.partition_count(topic)  # warm metadata, as throughput.py
+        [plan] = plans
         database = url.rsplit("/", 1)[1]
 
         def groups() -> dict[str, list[int]]:

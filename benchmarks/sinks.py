@@ -31,6 +31,7 @@ from common import (
     environment,
     make_records,
     new_topic,
+    publisher_on_backlog,
     record_results,
     temporary_database,
 )
@@ -38,7 +39,6 @@ from confluent_kafka import Producer
 from throughput import bare_producer
 
 import outbox
-from publisher.cli import build_publisher
 from publisher.config import PublisherConfig
 from publisher.partitioning import partition_for
 
@@ -52,24 +52,7 @@ def end_to_end(
     topic = new_topic(bootstrap)
     try:
         with temporary_database(base_url, "outbox_bench_sinks") as (_, url):
-            with psycopg.connect(url) as conn:
-                outbox.enqueue_many(
-                    conn, [outbox.Message(topic, r.value, key=r.key) for r in records]
-                )
-            with psycopg.connect(url, autocommit=True) as conn:
-                conn.execute("VACUUM ANALYZE outbox.messages")
-                conn.execute("CHECKPOINT")  # not in the middle of the timed run
-            publisher = build_publisher(
-                PublisherConfig(
-                    database_url=url,
-                    kafka_bootstrap=bootstrap,
-                    exit_when_idle=True,
-                    batch_size=batch_size,
-                    http_port=0,
-                    sink=sink,
-                )
-            )
-            publisher.sink.partition_count(topic)  # warm metadata, as for the bare producers
+            publisher = publisher_on_backlog(url, bootstrap, topic, records, batch_size, sink=sink)
             cpu, start = time.process_time(), time.perf_counter()
             totals = publisher.run()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu

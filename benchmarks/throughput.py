@@ -20,7 +20,6 @@ import argparse
 import statistics
 import time
 import uuid
-from urllib.parse import urlsplit
 
 import psycopg
 from common import (
@@ -30,14 +29,13 @@ from common import (
     environment,
     make_records,
     new_topic,
+    publisher_on_backlog,
     record_results,
+    temporary_database,
 )
 from kafka import KafkaProducer
-from psycopg import sql
 
 import outbox
-from outbox.migrations import migrate
-from publisher.cli import build_publisher
 from publisher.config import PublisherConfig
 from publisher.partitioning import partition_for
 
@@ -76,53 +74,26 @@ def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
         delete_topic(bootstrap, topic)
 
 
-def _database(url: str, name: str) -> str:
-    return urlsplit(url)._replace(path=f"/{name}").geturl()
-
-
 def end_to_end(
     database_url: str, bootstrap: str, records: list[outbox.Message], batch_size: int
 ) -> tuple[float, int]:
     """Seconds for a publisher to deliver and confirm every pending record; and its batches."""
     topic = new_topic(bootstrap)
-    name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
-    admin_url = _database(database_url, "postgres")
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = _database(database_url, name)
     try:
-        migrate(url)
-        with psycopg.connect(url) as conn:
-            outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("VACUUM ANALYZE outbox.messages")
-            # Write the enqueued rows out now, so that a checkpoint does not
-            # land in the middle of the timed run.
-            conn.execute("CHECKPOINT")
-        publisher = build_publisher(
-            PublisherConfig(
-                database_url=url,
-                kafka_bootstrap=bootstrap,
-                exit_when_idle=True,
-                batch_size=batch_size,
-            )
-        )
-        publisher.sink.partition_count(topic)  # same warm metadata as the bare producer
-        start = time.perf_counter()
-        totals = publisher.run()
-        elapsed = time.perf_counter() - start
-        with psycopg.connect(url) as conn:
-            delivered = conn.execute(
-                "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'"
-            ).fetchone()
-        if delivered != (len(records),) or totals.delivered != len(records):
-            raise SystemExit(f"end to end delivered {delivered}, expected {len(records)}")
-        return elapsed, totals.batches
+        with temporary_database(database_url, "outbox_bench") as (_, url):
+            publisher = publisher_on_backlog(url, bootstrap, topic, records, batch_size)
+            start = time.perf_counter()
+            totals = publisher.run()
+            elapsed = time.perf_counter() - start
+            with psycopg.connect(url) as conn:
+                delivered = conn.execute(
+                    "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'"
+                ).fetchone()
+            if delivered != (len(records),) or totals.delivered != len(records):
+                raise SystemExit(f"end to end delivered {delivered}, expected {len(records)}")
+            return elapsed, totals.batches
     finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+        delete_topic(bootstrap, topic)
 
 
 def main() -> None:

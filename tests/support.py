@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
+import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
@@ -27,6 +29,19 @@ from publisher.partitioning import partition_for
 from publisher.store import PublisherStore, Settlement
 
 T = TypeVar("T")
+
+#: The publisher's two producers, for tests that run with each (its ``sink``
+#: setting); the confluent one only where its extra is installed.
+SINKS = [
+    "kafka-python",
+    pytest.param(
+        "confluent",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("confluent_kafka") is None,
+            reason="the confluent extra is not installed",
+        ),
+    ),
+]
 
 
 def wait_until(

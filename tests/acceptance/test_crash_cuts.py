@@ -60,6 +60,25 @@ def _crash(database_url: str, kafka_bootstrap: str, cut: str) -> str:
     return stderr
 
 
+def _finish(
+    database_url: str, kafka_bootstrap: str, topic: str, ids: list[uuid.UUID]
+) -> list[tuple[object, ...]]:
+    """Run a fresh publisher until idle; check every message delivered once; the evidence.
+
+    Returns the attempts that did not deliver, as (outcome, send_began, count).
+    """
+    finisher = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
+    _, stderr = finisher.communicate(timeout=180)
+    assert finisher.returncode == 0, stderr
+    assert count_by_state(database_url) == {"delivered": TOTAL}
+    assert_each_delivered_once(database_url, kafka_bootstrap, topic, ids)
+    with psycopg.connect(database_url) as conn:
+        return conn.execute(
+            "SELECT a.outcome, a.send_began, count(*) FROM outbox.attempts a "
+            "WHERE a.outcome <> 'delivered' GROUP BY 1, 2"
+        ).fetchall()
+
+
 def _ids_in_kafka(kafka_bootstrap: str, topic: str) -> Counter[uuid.UUID]:
     return Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
 
@@ -92,17 +111,8 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
             assert sum(in_kafka.values()) == 2 * BATCH  # acknowledged, but not recorded
 
     # A fresh publisher recovers, reconciles and delivers the rest.
-    finisher = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
-    _, stderr = finisher.communicate(timeout=180)
-    assert finisher.returncode == 0, stderr
-    assert count_by_state(database_url) == {"delivered": TOTAL}
-
-    assert_each_delivered_once(database_url, kafka_bootstrap, topic, ids)
+    evidence = _finish(database_url, kafka_bootstrap, topic, ids)
     with psycopg.connect(database_url) as conn:
-        evidence = conn.execute(
-            "SELECT a.outcome, a.send_began, count(*) FROM outbox.attempts a "
-            "WHERE a.outcome <> 'delivered' GROUP BY 1, 2"
-        ).fetchall()
         decisions: dict[str, int] = dict(
             conn.execute(
                 "SELECT to_state, count(*) FROM outbox.decisions GROUP BY to_state"
@@ -158,16 +168,8 @@ def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
         ).fetchall()
     assert third == [(None, None)]
 
-    finisher = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
-    _, stderr = finisher.communicate(timeout=180)
-    assert finisher.returncode == 0, stderr
-    assert count_by_state(database_url) == {"delivered": TOTAL}
-    assert_each_delivered_once(database_url, kafka_bootstrap, topic, ids)
+    evidence = _finish(database_url, kafka_bootstrap, topic, ids)
     with psycopg.connect(database_url) as conn:
-        evidence = conn.execute(
-            "SELECT a.outcome, a.send_began, count(*) FROM outbox.attempts a "
-            "WHERE a.outcome <> 'delivered' GROUP BY 1, 2"
-        ).fetchall()
         decisions = conn.execute("SELECT count(*) FROM outbox.decisions").fetchone()
     # Recovered as never sent: back to pending, nothing to reconcile.
     assert evidence == [("abandoned", False, BATCH)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 
 import psycopg
@@ -10,6 +9,7 @@ import pytest
 
 import outbox
 from tests.support import (
+    SINKS,
     count_by_state,
     read_topic,
     start_publisher,
@@ -18,18 +18,6 @@ from tests.support import (
 )
 
 pytestmark = pytest.mark.acceptance
-
-#: Both producers, chosen with ``--sink``.
-SINKS = [
-    "kafka-python",
-    pytest.param(
-        "confluent",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("confluent_kafka") is None,
-            reason="the confluent extra is not installed",
-        ),
-    ),
-]
 
 
 @pytest.mark.parametrize("sink", SINKS)

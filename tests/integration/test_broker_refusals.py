@@ -7,7 +7,6 @@ topics, and a topic the publisher is not allowed to write (an ACL denies it).
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 
 import psycopg
@@ -25,21 +24,10 @@ from kafka.admin import (
 
 import outbox
 from outbox.operator import discard
-from tests.support import publish_until_idle, read_topic, small_topic, wait_until
+from tests.support import SINKS, publish_until_idle, read_topic, small_topic, wait_until
 
 pytestmark = pytest.mark.integration
 
-#: Both producers, through the publisher's ``sink`` setting.
-SINKS = [
-    "kafka-python",
-    pytest.param(
-        "confluent",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("confluent_kafka") is None,
-            reason="the confluent extra is not installed",
-        ),
-    ),
-]
 
 #: No topic creation; short send timeouts, so that the shared refusals' write
 #: deadline passes and reconciliation decides them within seconds.
