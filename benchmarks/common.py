@@ -43,6 +43,7 @@ __all__ = [
     "RESULTS",
     "Cpu",
     "CpuWatch",
+    "backlog",
     "database_url",
     "delete_topic",
     "environment",
@@ -186,6 +187,29 @@ def temporary_database(
         drop_database(base_url, name)
 
 
+def backlog(
+    url: str,
+    topic: str,
+    records: list[outbox.Message],
+    *,
+    before_checkpoint: Callable[[], None] | None = None,
+) -> None:
+    """Commit ``records`` as pending intents of ``topic``, ready for a timed run.
+
+    The table is vacuumed and analysed, ``before_checkpoint`` runs (then the
+    table is vacuumed again), and a checkpoint writes everything out so that
+    none lands in the timed run.
+    """
+    with psycopg.connect(url) as conn:
+        outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE outbox.messages")
+        if before_checkpoint is not None:
+            before_checkpoint()
+            conn.execute("VACUUM outbox.messages")
+        conn.execute("CHECKPOINT")
+
+
 def publisher_on_backlog(
     url: str,
     bootstrap: str,
@@ -196,21 +220,11 @@ def publisher_on_backlog(
     before_checkpoint: Callable[[], None] | None = None,
     **settings: Any,
 ) -> Publisher:
-    """Commit ``records`` as pending intents of ``topic``; return a publisher ready to time.
+    """Commit ``records`` as pending intents of ``topic`` (``backlog``); return a publisher.
 
-    The table is vacuumed and analysed, ``before_checkpoint`` runs (then the
-    table is vacuumed again), and a checkpoint writes everything out so that
-    none lands in the timed run; the publisher's topic metadata is warm, as
-    for a bare producer.
+    The publisher's topic metadata is warm, as for a bare producer.
     """
-    with psycopg.connect(url) as conn:
-        outbox.enqueue_many(conn, [outbox.Message(topic, r.value, key=r.key) for r in records])
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE outbox.messages")
-        if before_checkpoint is not None:
-            before_checkpoint()
-            conn.execute("VACUUM outbox.messages")
-        conn.execute("CHECKPOINT")
+    backlog(url, topic, records, before_checkpoint=before_checkpoint)
     publisher = build_publisher(
         PublisherConfig(
             database_url=url,

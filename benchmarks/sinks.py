@@ -23,7 +23,6 @@ import time
 import uuid
 from typing import Any
 
-import psycopg
 from common import (
     KEYS,
     PARTITIONS,
@@ -31,40 +30,16 @@ from common import (
     environment,
     make_records,
     new_topic,
-    publisher_on_backlog,
     record_results,
-    temporary_database,
 )
 from confluent_kafka import Producer
-from throughput import bare_producer
+from throughput import bare_producer, end_to_end
 
 import outbox
 from publisher.config import PublisherConfig
 from publisher.partitioning import partition_for
 
 SINKS = ("kafka-python", "confluent")
-
-
-def end_to_end(
-    base_url: str, bootstrap: str, records: list[outbox.Message], batch_size: int, sink: str
-) -> tuple[float, float]:
-    """Seconds and CPU seconds for a publisher with ``sink`` to deliver and confirm every record."""
-    topic = new_topic(bootstrap)
-    try:
-        with temporary_database(base_url, "outbox_bench_sinks") as (_, url):
-            publisher = publisher_on_backlog(url, bootstrap, topic, records, batch_size, sink=sink)
-            cpu, start = time.process_time(), time.perf_counter()
-            totals = publisher.run()
-            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-            with psycopg.connect(url) as conn:
-                delivered = conn.execute(
-                    "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'"
-                ).fetchone()
-            if delivered != (len(records),) or totals.delivered != len(records):
-                raise SystemExit(f"{sink}: delivered {delivered}, expected {len(records)}")
-            return elapsed, cpu
-    finally:
-        delete_topic(bootstrap, topic)
 
 
 def _prepared(records: list[outbox.Message]) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
@@ -143,9 +118,9 @@ def main() -> None:
         order = SINKS if round_no % 2 else tuple(reversed(SINKS))
         line = []
         for sink in order:
-            seconds, cpu = end_to_end(base_url, bootstrap, records, args.batch_size, sink)
-            e2e[sink].append(args.messages / seconds)
-            cpu_per_k[sink].append(cpu / args.messages * 1000)
+            run = end_to_end(base_url, bootstrap, records, args.batch_size, sink)
+            e2e[sink].append(args.messages / run.seconds)
+            cpu_per_k[sink].append(run.cpu_seconds / args.messages * 1000)
             alone[sink].append(args.messages / bare(bootstrap, records, sink))
             line.append(
                 f"{sink}: end to end {e2e[sink][-1]:,.0f} msg/s "

@@ -22,7 +22,9 @@ from publisher.outcomes import TopicMissing
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is built per message, and a frozen dataclass's __init__
+# costs about four times as much (it sets each field through object.__setattr__).
+@dataclass(slots=True)
 class OutgoingRecord:
     """One record to send, with its partition already chosen."""
 
@@ -34,7 +36,9 @@ class OutgoingRecord:
     headers: list[tuple[str, bytes]]
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is built per message, and a frozen dataclass's __init__
+# costs about four times as much (it sets each field through object.__setattr__).
+@dataclass(slots=True)
 class SendReport:
     """What the producer said about one record.
 
