@@ -290,7 +290,7 @@ def _reconcile(args: argparse.Namespace) -> int:
     scanner = KafkaLogScanner(args.kafka_bootstrap)
     try:
         moved = store.recover_expired_leases()
-        to_pending = sum(1 for state in moved.values() if state is State.PENDING)
+        to_pending = sum(1 for r in moved if r.state is State.PENDING)
         print(
             f"expired leases recovered: {len(moved)} "
             f"({to_pending} pending, {len(moved) - to_pending} uncertain)"

@@ -228,7 +228,8 @@ WITH expired AS (
     FROM decided
     ON CONFLICT (message_id, attempt) DO NOTHING
 )
-SELECT d.id, d.next_state FROM decided AS d JOIN moved USING (id)
+SELECT d.id, d.next_state, d.attempts, d.fence, d.batch_id, d.lease_owner
+FROM decided AS d JOIN moved USING (id)
 
 -- name: recover_unrecorded_leases
 -- Messages in flight with an expired lease and no batch (rows written by an
@@ -265,7 +266,8 @@ WITH expired AS (
     FROM expired AS e JOIN moved AS mv USING (id)
     ON CONFLICT (message_id, attempt) DO NOTHING
 )
-SELECT id, 'uncertain' FROM moved
+SELECT e.id, 'uncertain', e.attempts, e.fence, NULL::bigint, e.lease_owner
+FROM expired AS e JOIN moved USING (id)
 
 -- name: uncertain_due
 -- Uncertain messages whose producer can no longer write, with the evidence

@@ -654,13 +654,16 @@ class Publisher:
         if force or now >= self._next_recovery:
             self._next_recovery = now + self.config.recovery_interval
             moved = self.store.recover_expired_leases()
-            if moved:
-                self.totals.recovered += len(moved)
-                for message_id, state in moved.items():
-                    self.metrics.recovered.labels(state.value).inc()
-                    if state is State.UNCERTAIN:
-                        self.metrics.uncertain_found.labels("recovery").inc()
-                    MessageLog(log, message_id).warning("lease expired, moved to %s", state.value)
+            self.totals.recovered += len(moved)
+            for r in moved:
+                self.metrics.recovered.labels(r.state.value).inc()
+                if r.state is State.UNCERTAIN:
+                    self.metrics.uncertain_found.labels("recovery").inc()
+                MessageLog(
+                    log, r.message_id, attempt=r.attempt, fence=r.fence, batch_id=r.batch_id
+                ).warning(
+                    "lease of publisher %s expired, moved to %s", r.previous_owner, r.state.value
+                )
         if self.reconciler is not None and (force or now >= self._next_reconcile):
             self._next_reconcile = now + self.config.reconcile_interval
             try:

@@ -76,6 +76,22 @@ class Settlement:
 
 
 @dataclass(frozen=True, slots=True)
+class Recovered:
+    """A message recovery moved out of ``in_flight`` after its lease expired."""
+
+    message_id: uuid.UUID
+    #: Where it went: pending (nothing was sent) or uncertain.
+    state: State
+    #: The attempt and fence of the claim whose lease expired.
+    attempt: int
+    fence: int
+    #: That claim's batch (None for a row in flight with no batch record).
+    batch_id: int | None
+    #: The publisher whose lease expired.
+    previous_owner: uuid.UUID | None
+
+
+@dataclass(frozen=True, slots=True)
 class UncertainMessage:
     """An uncertain message the reconciler may decide, with its batch's evidence."""
 
@@ -293,11 +309,11 @@ class PublisherStore:
 
     # --- recovery and reconciliation ---------------------------------------
 
-    def recover_expired_leases(self, limit: int = 1000) -> dict[uuid.UUID, State]:
+    def recover_expired_leases(self, limit: int = 1000) -> list[Recovered]:
         """Move in-flight messages whose lease expired by evidence; return what moved where."""
         rows = self.conn.execute(query("recover_expired_leases"), {"limit": limit}).fetchall()
         rows += self.conn.execute(query("recover_unrecorded_leases"), {"limit": limit}).fetchall()
-        return {row[0]: State(row[1]) for row in rows}
+        return [Recovered(row[0], State(row[1]), *row[2:]) for row in rows]
 
     def uncertain_due(self, limit: int = 1000) -> list[UncertainMessage]:
         """Uncertain, not escalated messages whose producer can no longer write."""

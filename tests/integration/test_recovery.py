@@ -11,7 +11,7 @@ import pytest
 
 import outbox
 from outbox.states import State
-from publisher.store import Settlement
+from publisher.store import Recovered, Settlement
 from tests.support import claiming_store, fetch_rows, wait_until
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,10 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
         what="the leases to expire",
     )
 
-    assert store.recover_expired_leases() == dict.fromkeys(ids, State.PENDING)
+    # What moved, with the claim it was under: attempt 1, fence 1, its batch, its owner.
+    assert store.recover_expired_leases() == [
+        Recovered(m, State.PENDING, 1, 1, batch.id, store.publisher_id) for m in ids
+    ]
     rows = fetch_rows(
         database_url,
         "SELECT state, lease_owner, lease_expires_at, available_at <= now(), last_error "
@@ -80,7 +83,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
     assert all(owner in a[8] and "nothing was sent" in a[8] for a in attempts)
 
     before = _everything(database_url)
-    assert store.recover_expired_leases() == {}
+    assert store.recover_expired_leases() == []
     assert _everything(database_url) == before
     store.close()
 
@@ -102,7 +105,9 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
         "FROM outbox.messages AS m JOIN outbox.publishers AS p ON p.id = m.lease_owner",
     )
 
-    assert store.recover_expired_leases() == {message_id: State.UNCERTAIN}
+    assert store.recover_expired_leases() == [
+        Recovered(message_id, State.UNCERTAIN, 1, 1, batch.id, store.publisher_id)
+    ]
     [row] = fetch_rows(
         database_url,
         "SELECT m.state, m.lease_owner, m.available_at >= b.write_deadline, "
@@ -138,7 +143,7 @@ def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None
     before = _everything(database_url)
 
     other = claiming_store(database_url)
-    assert other.recover_expired_leases() == {}
+    assert other.recover_expired_leases() == []
     assert _everything(database_url) == before
     assert fetch_rows(database_url, "SELECT state, lease_owner FROM outbox.messages") == [
         ("in_flight", store.publisher_id)
@@ -158,7 +163,9 @@ def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_at
         conn.execute("UPDATE outbox.messages SET batch_id = NULL")
     _expire(database_url, message_id)
 
-    assert store.recover_expired_leases() == {message_id: State.UNCERTAIN}
+    assert store.recover_expired_leases() == [
+        Recovered(message_id, State.UNCERTAIN, 1, 1, None, store.publisher_id)
+    ]
     [(state, lease_owner, last_error)] = fetch_rows(
         database_url, "SELECT state, lease_owner, last_error FROM outbox.messages"
     )
@@ -171,7 +178,7 @@ def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_at
         "FROM outbox.attempts",
     )
     assert attempts == [(1, store.publisher_id, 1, "abandoned", True, last_error, None)]
-    assert store.recover_expired_leases() == {}
+    assert store.recover_expired_leases() == []
     store.close()
 
 
@@ -183,7 +190,9 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
     assert batch is not None
     _expire(database_url, *ids)
     recovery = claiming_store(database_url)
-    assert recovery.recover_expired_leases() == dict.fromkeys(ids, State.PENDING)
+    assert [(r.message_id, r.state) for r in recovery.recover_expired_leases()] == [
+        (m, State.PENDING) for m in ids
+    ]
     before = _everything(database_url)
 
     assert old.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == set()

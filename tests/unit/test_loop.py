@@ -7,6 +7,7 @@ outcome is recorded).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -22,7 +23,7 @@ from publisher.config import PublisherConfig
 from publisher.loop import Publisher
 from publisher.partitioning import partition_for
 from publisher.sink import OutgoingRecord, SendReport, held_back, key_identity
-from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
+from publisher.store import Batch, ClaimedMessage, PublisherStore, Recovered, Settlement
 from publisher.waker import Waker
 
 CONFIG = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
@@ -44,6 +45,8 @@ class FakeStore(PublisherStore):
         self.next_due: float | None = None
         #: Message ids that recovery took away before sending began.
         self.lost_before_sending: set[uuid.UUID] = set()
+        #: What the next recovery pass moves.
+        self.recovered: list[Recovered] = []
 
     @property
     def conn(self) -> Any:
@@ -90,10 +93,11 @@ class FakeStore(PublisherStore):
         self.events.append("mark_sending")
         return {m.id for m in batch.messages} - self.lost_before_sending
 
-    def recover_expired_leases(self, limit: int = 1000) -> dict[uuid.UUID, State]:
-        """Nothing to recover in a unit test."""
+    def recover_expired_leases(self, limit: int = 1000) -> list[Recovered]:
+        """What ``recovered`` holds (nothing, unless a test put something there), once."""
         self.events.append("recover")
-        return {}
+        moved, self.recovered = self.recovered, []
+        return moved
 
     def work_left(self) -> bool:
         """The prepared answer."""
@@ -399,6 +403,32 @@ def test_run_exits_when_idle_after_registering_and_records_the_stop() -> None:
     assert events.index("mark_stopped") > events.index("work_left")
     assert events[-1] == "store.close"
     assert totals.batches == 0
+
+
+def test_recovery_logs_each_moved_message_with_its_claim_and_counts_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A recovered message's line names its attempt, fence, batch and the expired owner."""
+    events: list[str] = []
+    store, sink = FakeStore(events, []), FakeSink(events)
+    publisher = _publisher(store, sink)
+    gone, owner = uuid.uuid4(), uuid.uuid4()
+    store.recovered = [
+        Recovered(gone, State.UNCERTAIN, 3, 9, 41, owner),
+        Recovered(uuid.uuid4(), State.PENDING, 1, 2, 40, owner),
+    ]
+
+    with caplog.at_level(logging.WARNING, logger="publisher.loop"):
+        publisher.maintain(force=True)
+
+    [line, _] = [r for r in caplog.records if "expired" in r.getMessage()]
+    assert line.getMessage() == (
+        f"message {gone} attempt 3 fence 9: lease of publisher {owner} expired, moved to uncertain"
+    )
+    fields = {name: getattr(line, name) for name in ("message_id", "attempt", "fence", "batch_id")}
+    assert fields == {"message_id": str(gone), "attempt": 3, "fence": 9, "batch_id": 41}
+    assert publisher.totals.recovered == 2
+    assert publisher.metrics.uncertain_found.labels("recovery")._value.get() == 1
 
 
 def test_run_delivers_then_exits_when_idle() -> None:
