@@ -9,9 +9,13 @@ the partition's end, looking for the message id in the ``outbox-id`` header:
 * found: ``delivered`` at the offset found;
 * not found: ``pending``, with the scanned range recorded as the proof, so it
   is sent again;
-* the evidence is gone (the topic or partition no longer exists, or the
-  offsets to read were deleted by retention): it stays ``uncertain``, is
-  marked escalated with the reason, and an operator decides.
+* the evidence is gone or cannot be trusted: it stays ``uncertain``, is
+  marked escalated with the reason, and an operator decides. That is when
+  the topic or partition no longer exists; when offsets to read were deleted
+  by retention, before or during the scan; when the partition now ends below
+  the offset confirmed before the attempt (the log was truncated, or the
+  topic deleted and created again); and when the record is missing from a
+  compacted topic, which removes records from the middle of its log.
 
 Every decision is written to ``outbox.decisions`` with its evidence.
 """
@@ -21,13 +25,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from outbox.states import State
 from publisher.logs import MessageLog
 from publisher.partitioning import partition_for
-from publisher.scanner import LogScanner, ScanIncomplete
+from publisher.scanner import EvidenceLost, LogScanner, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
 log = logging.getLogger(__name__)
@@ -125,8 +129,15 @@ class Reconciler:
                 )
             else:
                 by_partition[partition].append(m)
+        compacted: list[bool] = []  # asked once per topic, and only when a record is missing
+
+        def is_compacted() -> bool:
+            if not compacted:
+                compacted.append(self.scanner.compacted(topic))
+            return compacted[0]
+
         for partition, group in by_partition.items():
-            decisions.extend(self._decide_partition(topic, partition, group, report))
+            decisions.extend(self._decide_partition(topic, partition, group, report, is_compacted))
         return decisions
 
     def _decide_partition(
@@ -135,10 +146,37 @@ class Reconciler:
         partition: int,
         messages: Sequence[UncertainMessage],
         report: ReconcileReport,
+        is_compacted: Callable[[], bool],
     ) -> list[Decision]:
         log_start, end = self.scanner.offset_range(topic, partition)
         starts = {m.id: _scan_start(m, topic, partition) for m in messages}
-        scan_from = max(min(starts.values()), log_start)
+        # The partition ends below an offset confirmed before the attempt: the
+        # log it was confirmed in is not this one (truncated, or the topic was
+        # deleted and created again), and the range to read means nothing.
+        decisions = [
+            self._escalate(
+                m,
+                f"{topic}[{partition}] ends at offset {end}, below offset "
+                f"{starts[m.id] - 1} confirmed before its attempt: the log was truncated, "
+                "or the topic deleted and created again",
+                topic=topic,
+                partition=partition,
+                evidence={
+                    "topic": topic,
+                    "partition": partition,
+                    "confirmed_before": starts[m.id] - 1,
+                    "log_start": log_start,
+                    "log_end": end,
+                },
+            )
+            for m in messages
+            if starts[m.id] > end
+        ]
+        messages = [m for m in messages if starts[m.id] <= end]
+        if not messages:
+            return decisions
+        scan_from = max(min(starts[m.id] for m in messages), log_start)
+        lost: str | None = None
         try:
             found = self.scanner.find(
                 topic, partition, scan_from, end, [str(m.id) for m in messages]
@@ -146,10 +184,13 @@ class Reconciler:
         except ScanIncomplete as exc:
             log.warning("reconciliation deferred: %s", exc)
             report.deferred.extend(m.id for m in messages)
-            return []
-        decisions = []
+            return decisions
+        except EvidenceLost as exc:
+            # Retention deleted part of the range while it was read: what the
+            # scan found still counts, a record it did not find proves nothing.
+            found, lost = exc.found, str(exc)
         for m in messages:
-            evidence = {
+            evidence: dict[str, object] = {
                 "topic": topic,
                 "partition": partition,
                 "scan_from": max(starts[m.id], log_start),
@@ -175,17 +216,16 @@ class Reconciler:
                         {**evidence, "found_offsets": offsets},
                     )
                 )
-            elif starts[m.id] < log_start:
+                continue
+            gone = self._why_absence_proves_nothing(
+                f"{topic}[{partition}]",
+                (starts[m.id], log_start, end),
+                lost=lost,
+                is_compacted=is_compacted,
+            )
+            if gone is not None:
                 decisions.append(
-                    self._escalate(
-                        m,
-                        f"not found in {topic}[{partition}] offsets [{log_start}, {end}), and "
-                        f"offsets [{starts[m.id]}, {log_start}) where it could be were deleted "
-                        "(retention or compaction)",
-                        topic=topic,
-                        partition=partition,
-                        evidence=evidence,
-                    )
+                    self._escalate(m, gone, topic=topic, partition=partition, evidence=evidence)
                 )
             else:
                 decisions.append(
@@ -201,6 +241,34 @@ class Reconciler:
                     )
                 )
         return decisions
+
+    @staticmethod
+    def _why_absence_proves_nothing(
+        where: str,
+        offsets: tuple[int, int, int],
+        *,
+        lost: str | None,
+        is_compacted: Callable[[], bool],
+    ) -> str | None:
+        """Why a record not found may still have been written; ``None`` if absence is proof.
+
+        ``offsets`` are where its record could start, the log start and the end.
+        """
+        start, log_start, end = offsets
+        if lost is not None:
+            return f"not found in {where} offsets [{start}, {end}), and {lost}"
+        if start < log_start:
+            return (
+                f"not found in {where} offsets [{log_start}, {end}), and offsets "
+                f"[{start}, {log_start}) where it could be were deleted (retention or compaction)"
+            )
+        if is_compacted():
+            return (
+                f"not found in {where} offsets [{start}, {end}), but the topic is compacted: "
+                "its record may have been written and removed since, once a later record "
+                "had the same key"
+            )
+        return None
 
     @staticmethod
     def _escalate(

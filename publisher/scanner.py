@@ -1,8 +1,9 @@
 """Reading a topic partition back, to find records by their ``outbox-id`` header.
 
 This is the evidence side of reconciliation: it answers "which of these
-message ids appear in this partition between these offsets?" and "which
-offsets does the partition still hold?".
+message ids appear in this partition between these offsets?", "which
+offsets does the partition still hold?" and "may the broker remove records
+from the middle of this topic?" (compaction).
 """
 
 from __future__ import annotations
@@ -11,13 +12,27 @@ import time
 from collections.abc import Collection
 from typing import Protocol
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka import errors as kafka_errors
+from kafka.admin import ConfigResource, ConfigResourceType
 
 from outbox.intent import ID_HEADER
 
 
 class ScanIncomplete(Exception):
     """The scan did not reach its end offset in time; nothing can be concluded yet."""
+
+
+class EvidenceLost(Exception):
+    """Offsets of the range were deleted (retention) before the scan read them.
+
+    The scan cannot say what they held: a record missing from the rest of the
+    range is not proven absent. ``found`` holds what was read before.
+    """
+
+    def __init__(self, message: str, found: dict[str, list[int]]) -> None:
+        super().__init__(message)
+        self.found = found
 
 
 class LogScanner(Protocol):
@@ -34,7 +49,20 @@ class LogScanner(Protocol):
     def find(
         self, topic: str, partition: int, start: int, end: int, ids: Collection[str]
     ) -> dict[str, list[int]]:
-        """Offsets in ``[start, end)`` of records whose ``outbox-id`` is one of ``ids``."""
+        """Offsets in ``[start, end)`` of records whose ``outbox-id`` is one of ``ids``.
+
+        Raises ``EvidenceLost`` when part of the range is deleted before it is
+        read, and ``ScanIncomplete`` when the end is not reached in time.
+        """
+        ...
+
+    def compacted(self, topic: str) -> bool:
+        """Whether the topic's cleanup policy includes ``compact``.
+
+        Compaction removes a record from the middle of the log once a later
+        record has the same key, so a record missing from such a topic may
+        have been written and removed.
+        """
         ...
 
     def close(self) -> None:
@@ -49,6 +77,7 @@ class KafkaLogScanner:
         self._bootstrap_servers = bootstrap_servers
         self._timeout = timeout_seconds
         self._open: KafkaConsumer | None = None
+        self._admin: KafkaAdminClient | None = None
 
     @property
     def _consumer(self) -> KafkaConsumer:
@@ -66,6 +95,10 @@ class KafkaLogScanner:
                 # Fail within seconds when the broker is away, instead of the
                 # consumer's default of five minutes; the pass is simply retried.
                 request_timeout_ms=15_000,
+                # A position below the log start (retention deleted it while
+                # the scan ran) must fail the scan. kafka-python's default
+                # would jump to the end of the log and read nothing more.
+                auto_offset_reset="none",
             )
         return self._open
 
@@ -95,13 +128,21 @@ class KafkaLogScanner:
         self._consumer.assign([tp])
         self._consumer.seek(tp, start)
         deadline = time.monotonic() + self._timeout
-        while self._consumer.position(tp) < end:
+        while (position := self._consumer.position(tp)) < end:
             if time.monotonic() > deadline:
                 raise ScanIncomplete(
-                    f"{topic}[{partition}] read up to {self._consumer.position(tp)} of "
+                    f"{topic}[{partition}] read up to {position} of "
                     f"[{start}, {end}) in {self._timeout:g}s"
                 )
-            for records in self._consumer.poll(timeout_ms=500).values():
+            try:
+                polled = self._consumer.poll(timeout_ms=500)
+            except kafka_errors.OffsetOutOfRangeError as exc:
+                raise EvidenceLost(
+                    f"offsets of {topic}[{partition}] from {position} were deleted before "
+                    f"the scan of [{start}, {end}) read them ({exc})",
+                    found,
+                ) from exc
+            for records in polled.values():
                 for record in records:
                     if record.offset >= end:
                         break
@@ -110,8 +151,28 @@ class KafkaLogScanner:
                             found.setdefault(value.decode(), []).append(record.offset)
         return found
 
+    def compacted(self, topic: str) -> bool:
+        """Read the topic's ``cleanup.policy`` from the broker (it can change at any time)."""
+        if self._admin is None:
+            self._admin = KafkaAdminClient(
+                bootstrap_servers=self._bootstrap_servers,
+                client_id="outbox-reconciler-admin",
+                request_timeout_ms=15_000,
+            )
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})
+        described = self._admin.describe_configs([resource], config_filter="all")
+        entry = described.get("topic", {}).get(topic, {}).get("cleanup.policy")
+        if entry is None:
+            # Not described (the topic is gone, or the broker did not say):
+            # assume the worst, so absence is never taken for proof.
+            return True
+        return "compact" in {policy.strip() for policy in str(entry["value"]).split(",")}
+
     def close(self) -> None:
-        """Close the consumer, if it was ever opened."""
+        """Close the consumer and the admin client, if they were ever opened."""
         if self._open is not None:
             self._open.close()
             self._open = None
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None

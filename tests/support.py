@@ -58,11 +58,22 @@ def wait_until(
         time.sleep(interval)
 
 
-def create_topic(bootstrap: str, name: str, partitions: int = 3) -> None:
-    """Create a topic and wait until its partitions have leaders."""
+def create_topic(
+    bootstrap: str, name: str, partitions: int = 3, configs: dict[str, str] | None = None
+) -> None:
+    """Create a topic (with topic ``configs``) and wait until its partitions have leaders."""
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
     try:
-        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        admin.create_topics(
+            [
+                NewTopic(
+                    name,
+                    num_partitions=partitions,
+                    replication_factor=1,
+                    topic_configs=configs or {},
+                )
+            ]
+        )
     finally:
         admin.close()
     consumer = KafkaConsumer(bootstrap_servers=bootstrap)
@@ -287,7 +298,13 @@ def make_uncertain(
 
 
 def send_record(
-    bootstrap: str, topic: str, partition: int, message_id: uuid.UUID, value: bytes = b"x"
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    message_id: uuid.UUID,
+    value: bytes = b"x",
+    *,
+    key: bytes | None = None,
 ) -> int:
     """Write one record carrying ``message_id`` in its ``outbox-id`` header; return its offset."""
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
@@ -295,6 +312,7 @@ def send_record(
         future = producer.send(
             topic,
             value=value,
+            key=key,
             partition=partition,
             headers=[("outbox-id", str(message_id).encode())],
         )

@@ -14,8 +14,10 @@ import outbox
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
+from publisher.store import PublisherStore
 from tests.support import (
     claiming_store,
+    create_topic,
     delete_topic,
     fetch_rows,
     make_uncertain,
@@ -270,3 +272,109 @@ def test_scan_starts_above_the_confirmed_offset_when_sharing_a_pass(
     decisions = {d[0]: d for d in _decisions(database_url)}
     assert decisions[second][5]["scan_from"] == old + 1
     assert decisions[second][3] == "pending"  # as when it is reconciled alone
+
+
+def _delete_records_below(bootstrap: str, topic: str, partition: int, offset: int) -> None:
+    """What retention does: the partition's log now starts at ``offset``."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        admin.delete_records({TopicPartition(topic, partition): offset})
+    finally:
+        admin.close()
+
+
+def test_a_topic_created_again_escalates_instead_of_proving_absence(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """The confirmed offsets of a deleted topic's log prove nothing about its successor's."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue_many(conn, [outbox.Message(topic, f"old {i}") for i in range(5)])
+    publish_until_idle(database_url, kafka_bootstrap)
+    confirmed = "SELECT confirmed_offset FROM outbox.partition_offsets WHERE topic = %s"
+    assert fetch_rows(database_url, confirmed, topic) == [(4,)]
+    delete_topic(kafka_bootstrap, topic)
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    message_id = _enqueue(database_url, topic)
+    make_uncertain(database_url, partitions=1)
+    # Its record was written: the first of the new log.
+    assert send_record(kafka_bootstrap, topic, 0, message_id) == 0
+    store = claiming_store(database_url)
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        report = Reconciler(store, scanner, "test").run_once()
+    finally:
+        scanner.close()
+        store.close()
+
+    assert report.escalated == [message_id]
+    assert report.pending == report.delivered == []
+    state, _, _, escalated, last_error = _message(database_url, message_id)
+    assert (state, escalated) == ("uncertain", True)
+    assert "ends at offset 1, below offset 4 confirmed before its attempt" in last_error
+    [(_, _, _, to_state, _, evidence)] = _decisions(database_url)
+    assert to_state == "uncertain"
+    assert (evidence["confirmed_before"], evidence["log_end"]) == (4, 1)
+    assert [r.outbox_id for r in read_topic(kafka_bootstrap, topic)] == [message_id]
+    delete_topic(kafka_bootstrap, topic)
+
+
+class _RetentionDuringTheScan(KafkaLogScanner):
+    """The real scanner, with retention deleting the partition's records just after
+    the reconciler read its offsets and before the scan reads them."""
+
+    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
+        log_start, end = super().offset_range(topic, partition)
+        _delete_records_below(self._bootstrap_servers, topic, partition, end)
+        return log_start, end
+
+
+def test_records_deleted_while_the_scan_reads_them_escalate_instead_of_proving_absence(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """A scan whose range is deleted under it fails; the message is escalated, not resent."""
+    message_id = _enqueue(database_url, topic)
+    partition = make_uncertain(database_url)[message_id]
+    send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    at = send_record(kafka_bootstrap, topic, partition, message_id)
+    send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    store: PublisherStore = claiming_store(database_url)
+    scanner = _RetentionDuringTheScan(kafka_bootstrap, timeout_seconds=20)
+    try:
+        report = Reconciler(store, scanner, "test").run_once()
+    finally:
+        scanner.close()
+        store.close()
+
+    assert report.escalated == [message_id]
+    assert report.pending == report.delivered == []
+    state, _, _, escalated, last_error = _message(database_url, message_id)
+    assert (state, escalated) == ("uncertain", True)
+    assert at == 1
+    assert "offsets [0, 3)" in last_error
+    assert "were deleted before the scan of [0, 3) read them" in last_error
+
+
+def test_a_record_missing_from_a_compacted_topic_escalates_and_one_found_is_delivered(
+    database_url: str, kafka_bootstrap: str, reconciler: Reconciler
+) -> None:
+    """Compaction removes records from the middle of a log: absence there proves nothing."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1, configs={"cleanup.policy": "compact"})
+    with psycopg.connect(database_url) as conn:
+        missing, found = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("a", "b"))
+    make_uncertain(database_url, partitions=1)
+    send_record(kafka_bootstrap, topic, 0, uuid.uuid4(), key=b"c")
+    at = send_record(kafka_bootstrap, topic, 0, found, key=b"b")
+
+    report = reconciler.run_once()
+
+    assert report.escalated == [missing]
+    assert report.delivered == [found]
+    assert report.pending == []
+    state, _, _, escalated, last_error = _message(database_url, missing)
+    assert (state, escalated) == ("uncertain", True)
+    assert "not found in" in last_error
+    assert "the topic is compacted" in last_error
+    assert _message(database_url, found)[:3] == ("delivered", 0, at)
