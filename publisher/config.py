@@ -96,6 +96,26 @@ class PublisherConfig:
         return (self.delivery_timeout_ms + self.request_timeout_ms) / 1000
 
     @property
+    def hand_over_seconds(self) -> float:
+        """How long after a batch is marked as sending its records may be handed over.
+
+        A record whose turn comes later is not sent with this batch (it goes
+        back to pending, unsent): it waits for a claim of its own.
+        """
+        return self.max_block_ms / 1000
+
+    @property
+    def write_deadline_seconds(self) -> float:
+        """From marking a batch as sending to when its producer can no longer write any record.
+
+        The last record is handed over within ``hand_over_seconds``; handing
+        it over may block ``max_block_ms``; the producer then gives up on it
+        within the delivery and request timeouts. Only after this deadline
+        may the reconciler take a record's absence for proof.
+        """
+        return self.hand_over_seconds + self.max_block_ms / 1000 + self.longest_send_seconds
+
+    @property
     def stall_seconds(self) -> float:
         """How long the loop may go without a turn before it counts as stuck.
 
@@ -353,8 +373,8 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="MS"),
     Setting("request_timeout_ms", int, "producer request timeout", "Kafka producer", metavar="MS"),
     Setting("linger_ms", int, "producer linger", "Kafka producer", metavar="MS"),
-    Setting("max_block_ms", int, "longest a send or a topic lookup may block", "Kafka producer",
-            metavar="MS"),
+    Setting("max_block_ms", int, "longest a send or a topic lookup may block; also the "
+            "batch's hand-over window", "Kafka producer", metavar="MS"),
     Setting("auto_create_topics", bool, "never create a missing topic: its messages are "
             "quarantined (TopicMissing)", "Kafka producer", flag_name="--no-auto-create-topics",
             flag_sets=False),

@@ -28,8 +28,10 @@ from publisher.sink import (
     KafkaSinkConfig,
     OutgoingRecord,
     SendReport,
+    hand_over_closed,
     held_back,
     key_identity,
+    window_open,
 )
 
 log = logging.getLogger(__name__)
@@ -166,12 +168,18 @@ class ConfluentSink:
                 raise _exception(error)
             time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
 
-    def send(self, records: Sequence[OutgoingRecord]) -> _ConfluentInFlight:
+    def send(
+        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+    ) -> _ConfluentInFlight:
         """Hand every record to the producer; a refusal is kept as its report."""
         producer = self._get_producer()
         in_flight = _ConfluentInFlight(producer, [None] * len(records))
         refused_keys: set[tuple[str, bytes] | None] = set()
         for index, r in enumerate(records):
+            if not window_open(hand_over_until):
+                for later in range(index, len(records)):
+                    in_flight.reports[later] = hand_over_closed()
+                break
             key = key_identity(r)
             if key is not None and key in refused_keys:
                 in_flight.reports[index] = held_back()

@@ -55,7 +55,7 @@ from publisher.outcomes import (
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.retention import RetentionRunner
-from publisher.sink import HeldBack, OutgoingRecord, SendReport, Sink
+from publisher.sink import HandOverClosed, NotHandedOver, OutgoingRecord, SendReport, Sink
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
 
@@ -304,8 +304,11 @@ class Publisher:
         counts, refused = self._describe_topics(batch)
         sendable = [m for m in batch.messages if m.id not in refused]
         held = {m.id for m in batch.messages}
+        # Counted from before the mark, so that it ends no later than the
+        # write deadline the database computes from the mark's own time.
+        hand_over_until = time.monotonic() + self.config.hand_over_seconds
         if sendable:
-            held = self.store.mark_sending(batch, counts, self.config.longest_send_seconds)
+            held = self.store.mark_sending(batch, counts, self.config.write_deadline_seconds)
             self._progress()
             self._claim_ahead()
             self._count_lost_before_sending(batch, held)
@@ -324,7 +327,7 @@ class Publisher:
         alone = {m.id for m in sendable if m.send_alone}
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
         created = {m.id: m.created_at for m in sendable}
-        sent = self._send_in_order(records, alone, keys, created)
+        sent, unsent = self._send_in_order(records, alone, keys, created, hand_over_until)
         suspects = _shared_refusals(sent)
         settlements = []
         to_send = {r.message_id for r in records}
@@ -332,7 +335,7 @@ class Publisher:
             if m.id in refused and m.id in held:
                 settlements.append(refused[m.id])
             elif m.id in to_send and m.id not in sent:
-                settlements.append(self._held_back(m))
+                settlements.append(_unsent(m, unsent.get(m.id, HELD_BACK)))
             elif m.id in sent:
                 record, report = sent[m.id]
                 settlements.append(
@@ -454,9 +457,17 @@ class Publisher:
         alone: set[uuid.UUID],
         keys: dict[uuid.UUID, tuple[str, bytes]],
         created: dict[uuid.UUID, datetime | None] | None = None,
-    ) -> dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]:
-        """Send the records in order, those in ``alone`` one by one; report on those sent."""
+        hand_over_until: float | None = None,
+    ) -> tuple[dict[uuid.UUID, tuple[OutgoingRecord, SendReport]], dict[uuid.UUID, str]]:
+        """Send the records in order, those in ``alone`` one by one.
+
+        Returns the records handed over with their reports, and why each of
+        the others was not (a record of a key stopped earlier in the batch is
+        in neither: it is held back). Nothing is handed over after
+        ``hand_over_until`` (``time.monotonic``).
+        """
         sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]] = {}
+        unsent: dict[uuid.UUID, str] = {}
         stopped_keys: set[tuple[str, bytes]] = set()
         for candidates in _groups(records, alone):
             # After a record of a key was not delivered, later records of that
@@ -465,14 +476,17 @@ class Publisher:
             group = [r for r in candidates if keys.get(r.message_id) not in stopped_keys]
             if not group:
                 continue
-            in_flight = self.sink.send(group)
+            in_flight = self.sink.send(group, hand_over_until=hand_over_until)
             self.faults.reached("after_send")
             reports = self.sink.complete(in_flight)
             self._progress()
             self._observe_acks(group, reports, created or {})
             for r, report in zip(group, reports, strict=True):
-                if isinstance(report.error, HeldBack):
-                    continue  # never handed over: settled unsent, behind the refused one
+                if isinstance(report.error, HandOverClosed):
+                    unsent[r.message_id] = HAND_OVER_CLOSED
+                    continue
+                if isinstance(report.error, NotHandedOver):
+                    continue  # held back: settled unsent, behind the refused one
                 sent[r.message_id] = (r, report)
                 if report.error is not None and r.message_id in keys:
                     stopped_keys.add(keys[r.message_id])
@@ -482,7 +496,7 @@ class Publisher:
                 # refused record kafka-python's idempotent producer fails every
                 # later send: either way the next send starts a fresh one.
                 self.sink.discard_producer()
-        return sent
+        return sent, unsent
 
     def _observe_acks(
         self,
@@ -495,7 +509,7 @@ class Publisher:
         answered = False
         failure: BaseException | None = None
         for r, report in zip(records, reports, strict=True):
-            if isinstance(report.error, HeldBack):
+            if isinstance(report.error, NotHandedOver):
                 continue
             if report.error is None:
                 answered = True
@@ -557,10 +571,6 @@ class Publisher:
             counts_as_failure=shared or outcome is SendOutcome.NOT_WRITTEN,
             send_alone=shared,
         )
-
-    @staticmethod
-    def _held_back(m: ClaimedMessage) -> Settlement:
-        return _unsent(m, "not sent: an earlier message of its key in the batch was not delivered")
 
     @staticmethod
     def _release(m: ClaimedMessage) -> Settlement:
@@ -752,6 +762,13 @@ def _groups(records: list[OutgoingRecord], alone: set[uuid.UUID]) -> list[list[O
     if current:
         groups.append(current)
     return groups
+
+
+HELD_BACK = "not sent: an earlier message of its key in the batch was not delivered"
+HAND_OVER_CLOSED = (
+    "not sent: its turn came after the batch's hand-over window closed (its write deadline "
+    "counts on every record being handed over within it); it goes with a later claim"
+)
 
 
 def _unsent(m: ClaimedMessage, reason: str) -> Settlement:

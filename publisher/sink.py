@@ -53,7 +53,30 @@ class SendReport:
     handed_to_producer: bool
 
 
-class HeldBack(Exception):
+class NotHandedOver(Exception):
+    """Never handed to the producer, through no fault of its own: settled pending, unsent."""
+
+
+class HandOverClosed(NotHandedOver):
+    """Not handed to the producer: the batch's hand-over window had closed.
+
+    The batch's write deadline (after which the reconciler may prove its
+    records absent) counts on every record being handed over within that
+    window; one handed over later could still be written after it.
+    """
+
+
+def hand_over_closed() -> SendReport:
+    """The report of a record whose turn came after its batch's hand-over window."""
+    return SendReport(None, None, HandOverClosed("the batch's hand-over window had closed"), False)
+
+
+def window_open(hand_over_until: float | None) -> bool:
+    """Whether a record may still be handed to the producer (``time.monotonic`` clock)."""
+    return hand_over_until is None or time.monotonic() <= hand_over_until
+
+
+class HeldBack(NotHandedOver):
     """Not handed to the producer: an earlier record of its key in the same send was refused.
 
     Handing it over anyway could write it ahead of the refused record, which
@@ -92,11 +115,15 @@ class Sink(Protocol):
         """Number of partitions of ``topic``; raises if the topic cannot be described."""
         ...
 
-    def send(self, records: Sequence[OutgoingRecord]) -> InFlight:
+    def send(
+        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+    ) -> InFlight:
         """Hand every record to the producer without waiting for the broker.
 
         Once the producer refuses a record, the later records of its key are
-        not handed over: their reports are ``held_back()``.
+        not handed over: their reports are ``held_back()``. Nor is any record
+        whose turn comes after ``hand_over_until`` (``time.monotonic``): its
+        report, and every later record's, is ``hand_over_closed()``.
         """
         ...
 
@@ -206,12 +233,17 @@ class KafkaSink:
         finally:
             admin.close()
 
-    def send(self, records: Sequence[OutgoingRecord]) -> _KafkaInFlight:
+    def send(
+        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+    ) -> _KafkaInFlight:
         """Hand every record to the producer; a refusal is kept as its report."""
         producer = self._get_producer()
         in_flight = _KafkaInFlight()
         refused_keys: set[tuple[str, bytes] | None] = set()
-        for r in records:
+        for index, r in enumerate(records):
+            if not window_open(hand_over_until):
+                in_flight.entries.extend(hand_over_closed() for _ in records[index:])
+                break
             key = key_identity(r)
             if key is not None and key in refused_keys:
                 in_flight.entries.append(held_back())

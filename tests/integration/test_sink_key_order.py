@@ -1,13 +1,25 @@
-"""Both sinks: after the producer refuses a record, later records of its key stay behind."""
+"""Both sinks: what they do not hand to the producer.
+
+After the producer refuses a record, later records of its key stay behind;
+once the batch's hand-over window has closed, nothing more is handed over.
+"""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 
 import pytest
 
-from publisher.sink import HeldBack, KafkaSink, KafkaSinkConfig, OutgoingRecord, Sink
+from publisher.sink import (
+    HandOverClosed,
+    HeldBack,
+    KafkaSink,
+    KafkaSinkConfig,
+    OutgoingRecord,
+    Sink,
+)
 from tests.support import read_topic
 
 pytestmark = pytest.mark.integration
@@ -51,3 +63,27 @@ def test_a_refused_record_holds_back_its_key_and_only_its_key(
     assert delivered.offset is not None
     # Only the other key's record reached the topic.
     assert [(r.key, r.value) for r in read_topic(kafka_bootstrap, topic)] == [(b"j", b"small")]
+
+
+@pytest.mark.parametrize(
+    "make_sink", [_kafka_python, _confluent], ids=["kafka-python", "confluent"]
+)
+def test_nothing_is_handed_over_after_the_hand_over_window(
+    kafka_bootstrap: str, topic: str, make_sink: Callable[[KafkaSinkConfig], Sink]
+) -> None:
+    """A send whose window has closed hands nothing to the producer: nothing reaches Kafka."""
+    records = [
+        OutgoingRecord(uuid.uuid4(), topic, 0, b"k", value, [])
+        for value in (b"on time", b"late", b"later")
+    ]
+    sink = make_sink(KafkaSinkConfig(kafka_bootstrap))
+    try:
+        on_time = sink.complete(sink.send(records[:1], hand_over_until=time.monotonic() + 60))
+        late = sink.complete(sink.send(records[1:], hand_over_until=time.monotonic() - 1))
+    finally:
+        sink.close()
+    assert on_time[0].error is None
+    for report in late:
+        assert isinstance(report.error, HandOverClosed)
+        assert not report.handed_to_producer
+    assert [r.value for r in read_topic(kafka_bootstrap, topic)] == [b"on time"]

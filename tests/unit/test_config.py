@@ -118,6 +118,15 @@ def test_longest_send_is_delivery_plus_request_timeout() -> None:
     assert config.longest_send_seconds == 40.0
 
 
+def test_write_deadline_covers_the_hand_over_window_a_blocked_send_and_the_longest_send() -> None:
+    """Records are handed over within max_block; one may block max_block; then the send."""
+    config = replace(
+        VALID, max_block_ms=5_000, delivery_timeout_ms=30_000, request_timeout_ms=10_000
+    )
+    assert config.hand_over_seconds == 5.0
+    assert config.write_deadline_seconds == 5.0 + 5.0 + 40.0
+
+
 # --- sources: flags, environment, config file, defaults ---------------------------
 
 BASE_ENV = {"OUTBOX_DATABASE_URL": "postgresql://db/app", "OUTBOX_KAFKA_BOOTSTRAP": "k:9092"}

@@ -8,6 +8,7 @@ outcome is recorded).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -20,9 +21,15 @@ from kafka import errors as kafka_errors
 from outbox.ids import new_message_id
 from outbox.states import State
 from publisher.config import PublisherConfig
-from publisher.loop import Publisher
+from publisher.loop import HAND_OVER_CLOSED, Publisher
 from publisher.partitioning import partition_for
-from publisher.sink import OutgoingRecord, SendReport, held_back, key_identity
+from publisher.sink import (
+    OutgoingRecord,
+    SendReport,
+    hand_over_closed,
+    held_back,
+    key_identity,
+)
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Recovered, Settlement
 from publisher.waker import Waker
 
@@ -122,6 +129,11 @@ class FakeSink:
         self.sent: list[OutgoingRecord] = []
         self.batches_sent = 0
         self._next_offset = 100
+        #: The clock the hand-over window is read on, and each send's window.
+        self.now: Callable[[], float] = time.monotonic
+        self.windows: list[float | None] = []
+        #: Records whose turn came after their window: never handed over.
+        self.closed: set[uuid.UUID] = set()
 
     def partition_count(self, topic: str) -> int:
         """The configured partition count, or the error Kafka gives for an unknown topic."""
@@ -130,9 +142,15 @@ class FakeSink:
             raise kafka_errors.UnknownTopicOrPartitionError(f"topic {topic!r} has no partitions")
         return self.partitions[topic]
 
-    def send(self, records: Sequence[OutgoingRecord]) -> list[OutgoingRecord]:
-        """Record the records handed over."""
+    def send(
+        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+    ) -> list[OutgoingRecord]:
+        """Record the records handed over (none once the hand-over window closed)."""
         self.events.append("send")
+        self.windows.append(hand_over_until)
+        if hand_over_until is not None and self.now() > hand_over_until:
+            self.closed.update(r.message_id for r in records)
+            return list(records)
         self.batches_sent += 1
         self.sent.extend(records)
         return list(records)
@@ -143,6 +161,9 @@ class FakeSink:
         result = []
         refused_keys = set()
         for r in in_flight:
+            if r.message_id in self.closed:
+                result.append(hand_over_closed())
+                continue
             # As the real sinks do: after a refusal by send(), later records of
             # the key are not handed over.
             if key_identity(r) is not None and key_identity(r) in refused_keys:
@@ -431,6 +452,36 @@ def test_recovery_logs_each_moved_message_with_its_claim_and_counts_it(
     assert publisher.metrics.uncertain_found.labels("recovery")._value.get() == 1
 
 
+def test_records_whose_turn_comes_after_the_hand_over_window_go_back_unsent() -> None:
+    """After the window, nothing more of the batch is handed over; it settles pending, unsent."""
+    first = replace(_message(key=b"a"), send_alone=True)
+    second = replace(_message(key=b"b"), send_alone=True)
+    third = _message(key=b"c")
+    _events, store, sink, publisher = _setup(first, second, third)
+    readings = iter([0.0, 1e9, 1e9])  # open for the first send, closed for the next ones
+    sink.now = lambda: next(readings)
+    before = time.monotonic()
+
+    publisher.run_once()
+
+    # The window runs max_block from just before the mark.
+    [window, *_] = sink.windows
+    assert window is not None
+    assert before + 10.0 <= window <= time.monotonic() + 10.0
+    assert sink.sent == [sink.sent[0]]
+    assert sink.sent[0].message_id == first.id
+    [settled] = store.settled
+    by_id = {s.message_id: s for s in settled}
+    assert by_id[first.id].state is State.DELIVERED
+    for m in (second, third):
+        s = by_id[m.id]
+        assert (s.state, s.attempt_outcome) == (State.PENDING, "abandoned")
+        assert s.error == HAND_OVER_CLOSED
+        assert (s.send_began, s.counts_as_failure) == (False, False)
+    assert by_id[second.id].send_alone is True
+    assert publisher.totals.released == 2
+
+
 def test_run_delivers_then_exits_when_idle() -> None:
     """run keeps claiming while batches come and exits once the store is idle."""
     events: list[str] = []
@@ -578,11 +629,13 @@ def test_the_loop_holds_a_batch_from_its_claim_to_its_settle() -> None:
     seen: list[list[int]] = []
     original = sink.send
 
-    def send(records: Sequence[OutgoingRecord]) -> list[OutgoingRecord]:
+    def send(
+        records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+    ) -> list[OutgoingRecord]:
         if publisher._ahead is not None:
             publisher._ahead.result()  # let the claim-ahead come back first
         seen.append(sorted(publisher.held_batches()))
-        return original(records)
+        return original(records, hand_over_until=hand_over_until)
 
     sink.send = send  # type: ignore[method-assign]
     try:
