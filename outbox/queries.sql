@@ -273,12 +273,22 @@ FROM expired AS e JOIN moved USING (id)
 -- Uncertain messages whose producer can no longer write, with the evidence
 -- of their batch, for the reconciler.
 SELECT m.id, m.topic, m.key, m.fence, m.kafka_partition, b.partition_counts,
-       b.confirmed_offsets
+       b.confirmed_offsets, m.seq
 FROM outbox.messages AS m
 LEFT JOIN outbox.batches AS b ON b.id = m.batch_id
 WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now()
 ORDER BY m.seq
 LIMIT %(limit)s
+
+-- name: later_of_key
+-- Of the given message ids, those that come after message %(id)s in its
+-- key's order (same topic and key, a higher seq): a record of one of them in
+-- Kafka means the key has moved on past the uncertain message.
+SELECT later.id
+FROM outbox.messages AS later
+JOIN outbox.messages AS m ON m.id = %(id)s
+WHERE later.id = ANY(%(ids)s::uuid[])
+  AND later.topic = m.topic AND later.key = m.key AND later.seq > m.seq
 
 -- name: decide_uncertain
 -- Apply the reconciler's decisions, each with its evidence, in one statement.

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from outbox.states import State
 from publisher.logs import MessageLog
 from publisher.partitioning import partition_for
-from publisher.scanner import EvidenceLost, LogScanner, ScanIncomplete
+from publisher.scanner import EvidenceLost, LogScanner, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
 log = logging.getLogger(__name__)
@@ -178,8 +178,13 @@ class Reconciler:
         scan_from = max(min(starts[m.id] for m in messages), log_start)
         lost: str | None = None
         try:
-            found = self.scanner.find(
-                topic, partition, scan_from, end, [str(m.id) for m in messages]
+            scan = self.scanner.find(
+                topic,
+                partition,
+                scan_from,
+                end,
+                [str(m.id) for m in messages],
+                keys={m.key for m in messages if m.key is not None},
             )
         except ScanIncomplete as exc:
             log.warning("reconciliation deferred: %s", exc)
@@ -188,7 +193,8 @@ class Reconciler:
         except EvidenceLost as exc:
             # Retention deleted part of the range while it was read: what the
             # scan found still counts, a record it did not find proves nothing.
-            found, lost = exc.found, str(exc)
+            scan, lost = exc.scan, str(exc)
+        found = scan.found
         for m in messages:
             evidence: dict[str, object] = {
                 "topic": topic,
@@ -222,7 +228,7 @@ class Reconciler:
                 (starts[m.id], log_start, end),
                 lost=lost,
                 is_compacted=is_compacted,
-            )
+            ) or self._overtaken(m, scan)
             if gone is not None:
                 decisions.append(
                     self._escalate(m, gone, topic=topic, partition=partition, evidence=evidence)
@@ -269,6 +275,25 @@ class Reconciler:
                 "had the same key"
             )
         return None
+
+    def _overtaken(self, message: UncertainMessage, scan: Scan) -> str | None:
+        """Why sending an absent message now would break its key's order, if it would.
+
+        A later message of its key written to the partition since (sent in the
+        same batch and confirmed, while this one's record was lost) has
+        already taken its place: sending it now puts it after that one.
+        """
+        if message.key is None:
+            return None
+        ids = scan.by_key.get(message.key, set()) - {str(message.id)}
+        later = self.store.later_of_key(message.id, [uuid.UUID(i) for i in ids])
+        if not later:
+            return None
+        return (
+            f"proven absent, but {len(later)} later message(s) of its key are already in "
+            f"Kafka after it was sent (first: {min(later)}): sending it now would break its "
+            "key's order"
+        )
 
     @staticmethod
     def _escalate(

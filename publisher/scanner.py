@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -23,16 +24,26 @@ class ScanIncomplete(Exception):
     """The scan did not reach its end offset in time; nothing can be concluded yet."""
 
 
+@dataclass
+class Scan:
+    """What one read of a partition range found."""
+
+    #: Offsets of the records whose ``outbox-id`` was wanted, by id.
+    found: dict[str, list[int]] = field(default_factory=dict)
+    #: The ``outbox-id`` of every record (with one) whose key was wanted, by key.
+    by_key: dict[bytes, set[str]] = field(default_factory=dict)
+
+
 class EvidenceLost(Exception):
     """Offsets of the range were deleted (retention) before the scan read them.
 
     The scan cannot say what they held: a record missing from the rest of the
-    range is not proven absent. ``found`` holds what was read before.
+    range is not proven absent. ``scan`` holds what was read before.
     """
 
-    def __init__(self, message: str, found: dict[str, list[int]]) -> None:
+    def __init__(self, message: str, scan: Scan) -> None:
         super().__init__(message)
-        self.found = found
+        self.scan = scan
 
 
 class LogScanner(Protocol):
@@ -47,9 +58,16 @@ class LogScanner(Protocol):
         ...
 
     def find(
-        self, topic: str, partition: int, start: int, end: int, ids: Collection[str]
-    ) -> dict[str, list[int]]:
-        """Offsets in ``[start, end)`` of records whose ``outbox-id`` is one of ``ids``.
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+    ) -> Scan:
+        """Read ``[start, end)`` once, for records of ``ids`` and the records of ``keys``.
 
         Raises ``EvidenceLost`` when part of the range is deleted before it is
         read, and ``ScanIncomplete`` when the end is not reached in time.
@@ -117,13 +135,21 @@ class KafkaLogScanner:
         return int(start), int(end)
 
     def find(
-        self, topic: str, partition: int, start: int, end: int, ids: Collection[str]
-    ) -> dict[str, list[int]]:
-        """Read ``[start, end)`` once and collect the offsets of wanted ids."""
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+    ) -> Scan:
+        """Read ``[start, end)`` once: the offsets of wanted ids, the ids of wanted keys."""
         wanted = {i.encode() for i in ids}
-        found: dict[str, list[int]] = {}
+        wanted_keys = set(keys)
+        scan = Scan()
         if start >= end or not wanted:
-            return found
+            return scan
         tp = TopicPartition(topic, partition)
         self._consumer.assign([tp])
         self._consumer.seek(tp, start)
@@ -140,16 +166,20 @@ class KafkaLogScanner:
                 raise EvidenceLost(
                     f"offsets of {topic}[{partition}] from {position} were deleted before "
                     f"the scan of [{start}, {end}) read them ({exc})",
-                    found,
+                    scan,
                 ) from exc
             for records in polled.values():
                 for record in records:
                     if record.offset >= end:
                         break
                     for name, value in record.headers:
-                        if name == ID_HEADER and value in wanted:
-                            found.setdefault(value.decode(), []).append(record.offset)
-        return found
+                        if name != ID_HEADER:
+                            continue
+                        if value in wanted:
+                            scan.found.setdefault(value.decode(), []).append(record.offset)
+                        if record.key in wanted_keys:
+                            scan.by_key.setdefault(record.key, set()).add(value.decode())
+        return scan
 
     def compacted(self, topic: str) -> bool:
         """Read the topic's ``cleanup.policy`` from the broker (it can change at any time)."""

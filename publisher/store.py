@@ -105,6 +105,8 @@ class UncertainMessage:
     partition_counts: Mapping[str, int] | None
     #: ``{topic: {partition: offset}}`` confirmed before the batch began sending.
     confirmed_offsets: Mapping[str, Mapping[str, int]] | None
+    #: Its place in its key's order.
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +321,15 @@ class PublisherStore:
         """Uncertain, not escalated messages whose producer can no longer write."""
         rows = self.conn.execute(query("uncertain_due"), {"limit": limit}).fetchall()
         return [UncertainMessage(*row) for row in rows]
+
+    def later_of_key(self, message_id: uuid.UUID, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
+        """Those of ``ids`` that come after ``message_id`` in its key's order."""
+        if not ids:
+            return set()
+        rows = self.conn.execute(
+            query("later_of_key"), {"id": message_id, "ids": list(ids)}
+        ).fetchall()
+        return {row[0] for row in rows}
 
     def decide(self, decisions: Sequence[Decision], decided_by: str) -> set[uuid.UUID]:
         """Apply reconciliation decisions in one statement; return the ids that changed."""

@@ -11,10 +11,11 @@ import pytest
 from kafka import KafkaAdminClient, TopicPartition
 
 import outbox
+from outbox.states import State
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
-from publisher.store import PublisherStore
+from publisher.store import PublisherStore, Settlement
 from tests.support import (
     claiming_store,
     create_topic,
@@ -378,3 +379,63 @@ def test_a_record_missing_from_a_compacted_topic_escalates_and_one_found_is_deli
     assert "not found in" in last_error
     assert "the topic is compacted" in last_error
     assert _message(database_url, found)[:3] == ("delivered", 0, at)
+
+
+def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_resending(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Sent together, the first record of a key was lost and the second written: resending
+    the first would put it after the second, so it is escalated, not made pending."""
+    with psycopg.connect(database_url) as conn:
+        first, second = outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"{i}", key="K") for i in range(2)]
+        )
+        other = outbox.enqueue(conn, topic, b"x", key="other")
+    partition = partition_for(b"K", first, 3)
+    store = claiming_store(database_url)
+    try:
+        batch = store.claim(10, lease_seconds=30)
+        assert batch is not None
+        store.mark_sending(batch, {topic: 3}, longest_send_seconds=0.0)
+        offset = send_record(kafka_bootstrap, topic, partition, second, key=b"K")
+        fences = {m.id: m.fence for m in batch.messages}
+        other_partition = partition_for(b"other", other, 3)
+        store.settle(
+            batch,
+            [
+                Settlement(
+                    first,
+                    fences[first],
+                    State.UNCERTAIN,
+                    "uncertain",
+                    partition=partition,
+                    error="KafkaTimeoutError: Expiring 1 record(s)",
+                ),
+                Settlement(second, fences[second], State.DELIVERED, "delivered", partition, offset),
+                Settlement(
+                    other,
+                    fences[other],
+                    State.UNCERTAIN,
+                    "uncertain",
+                    partition=other_partition,
+                    error="KafkaTimeoutError: Expiring 1 record(s)",
+                ),
+            ],
+        )
+        scanner = KafkaLogScanner(kafka_bootstrap)
+        try:
+            report = Reconciler(store, scanner, "test").run_once()
+        finally:
+            scanner.close()
+    finally:
+        store.close()
+
+    assert report.escalated == [first]
+    # A message whose key did not move on is still proven absent, as before.
+    assert report.pending == [other]
+    state, _, _, escalated, last_error = _message(database_url, first)
+    assert (state, escalated) == ("uncertain", True)
+    assert (
+        f"later message(s) of its key are already in Kafka after it was sent (first: {second})"
+        in last_error
+    )
