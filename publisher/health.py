@@ -148,6 +148,10 @@ class Health:
             return f"no progress for {idle:.1f}s (limit {limit:g}s)"
         return None
 
+    def loop_stuck(self) -> bool:
+        """Whether the running loop has not turned for ``stall_seconds``."""
+        return self._loop_problem(self.stall_seconds) is not None and self.loop == "running"
+
     def liveness(self) -> Verdict:
         """Whether the process and its loop are alive (a starting loop counts as alive)."""
         problem = self._loop_problem(self.alive_seconds)

@@ -6,7 +6,11 @@ this publisher holds that would expire within half a lease, and keeps its
 fair share of lanes (``publisher.lanes``), which it also rebalances every
 second between beats. It renews message leases only
 while the publisher loop reports progress: a loop that is stuck must lose its
-leases, so that recovery can move its messages on. Each beat also tells the
+leases, so that recovery can move its messages on. A loop that has stopped
+turning altogether (``loop_alive``) gets no heartbeat at all: the publisher
+no longer counts as live, its lanes are not renewed, and when they expire
+the other publishers share them, so the keys of those lanes do not wait for
+a restart. It beats again as soon as the loop turns again. Each beat also tells the
 publisher's health whether the database answered, so an idle publisher
 still notices a database that went away.
 """
@@ -43,6 +47,7 @@ class Heartbeat:
         lanes: LaneKeeper | None = None,
         database: Contact | None = None,
         held_batches: Callable[[], Collection[int]] | None = None,
+        loop_alive: Callable[[], bool] | None = None,
     ) -> None:
         self._store = store
         self._database = database
@@ -52,6 +57,9 @@ class Heartbeat:
         self._progressing = progressing
         #: The batches whose leases may be renewed (None: every lease held).
         self._held_batches = held_batches
+        #: Whether the loop still turns; lanes are kept only while it does.
+        self._loop_alive = loop_alive or (lambda: True)
+        self._stalled = False
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -63,15 +71,37 @@ class Heartbeat:
 
     def beat(self) -> int:
         """One heartbeat now; returns how many leases were renewed."""
+        if not self._still_working():
+            return 0
         batches = None if self._held_batches is None else self._held_batches()
         renewed = self._store.heartbeat(
             self._lease_seconds, renew=self._progressing(), batches=batches
         )
         if renewed:
             log.debug("renewed %d leases", renewed)
-        if self.lanes is not None:
-            self.lanes.balance()
+        self._balance_lanes()
         return renewed
+
+    def _balance_lanes(self) -> None:
+        """Keep a fair share of lanes while the loop turns."""
+        if self.lanes is not None and self._still_working():
+            self.lanes.balance()
+
+    def _still_working(self) -> bool:
+        """Whether the loop turns; says so in the log when that changes."""
+        if self._loop_alive():
+            if self._stalled:
+                log.warning("the loop turns again: heartbeats and lanes resume")
+                self._stalled = False
+            return True
+        if not self._stalled:
+            self._stalled = True
+            log.error(
+                "the loop has stopped turning: no more heartbeats, and lanes %s are no "
+                "longer renewed; the other publishers take them over when they expire",
+                sorted(self.lanes.owned) if self.lanes is not None else [],
+            )
+        return False
 
     def stop(self) -> None:
         """Stop beating, give the lanes back, and close the heartbeat's connection."""
@@ -97,8 +127,8 @@ class Heartbeat:
                 if time.monotonic() >= next_beat - tick / 2:
                     next_beat = time.monotonic() + self._interval
                     self.beat()
-                elif self.lanes is not None:
-                    self.lanes.balance()
+                else:
+                    self._balance_lanes()
             except psycopg.Error as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
                 if self._database is not None and isinstance(exc, psycopg.OperationalError):

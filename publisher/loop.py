@@ -155,6 +155,7 @@ class Publisher:
                 lanes=LaneKeeper(heartbeat_store, config.lease_seconds),
                 database=self.health.database,
                 held_batches=self.held_batches,
+                loop_alive=lambda: not self.health.loop_stuck(),
             )
             if heartbeat_store is not None
             else None
