@@ -343,7 +343,10 @@ def _resolve(args: argparse.Namespace) -> int:
 def _retry(args: argparse.Namespace) -> int:
     with psycopg.connect(args.database_url) as conn:
         if args.quarantined:
-            ids = retry_quarantined(conn, topic=args.topic, reason=args.reason)
+            try:
+                ids = retry_quarantined(conn, topic=args.topic, reason=args.reason)
+            except ValueError as exc:
+                raise OutboxError(str(exc)) from exc
             scope = f" of topic {args.topic}" if args.topic else ""
             print(f"{len(ids)} quarantined message(s){scope} -> pending ({args.reason})")
             return EXIT_OK

@@ -107,6 +107,8 @@ def retry_quarantined(
     decided_by: str | None = None,
 ) -> list[uuid.UUID]:
     """Send every quarantined message (of ``topic``, or all) again; return their ids."""
+    if not reason.strip():
+        raise ValueError("a decision needs a reason (--reason)")
     with conn.transaction():
         rows = conn.execute(
             query("retry_quarantined"),

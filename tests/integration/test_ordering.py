@@ -229,3 +229,18 @@ def test_retry_quarantined_by_topic_moves_only_that_topic(database_url: str) -> 
             "SELECT id, state FROM outbox.messages WHERE id = ANY(%s)", ([held_t, held_u],)
         ).fetchall())  # fmt: skip
     assert states == {held_t: "pending", held_u: "quarantined"}
+
+
+def test_retry_quarantined_needs_a_reason_and_changes_nothing_without_one(
+    database_url: str,
+) -> None:
+    """An empty --reason is refused (exit 2), as for one message; nothing moves."""
+    held, _ = _quarantine_head(database_url, "t1", "k")
+    result = _outbox(database_url, "retry", "--quarantined", "--reason", " ")
+    assert result.returncode == 2
+    assert "a decision needs a reason (--reason)" in result.stderr
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT state FROM outbox.messages WHERE id = %s", (held,)).fetchone()
+        decisions = conn.execute("SELECT count(*) FROM outbox.decisions").fetchone()
+    assert row == ("quarantined",)
+    assert decisions == (0,)
