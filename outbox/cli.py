@@ -171,6 +171,14 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("OUTBOX_KAFKA_BOOTSTRAP"),
         help="Kafka bootstrap servers, host:port[,...] (default: $OUTBOX_KAFKA_BOOTSTRAP)",
     )
+    reconcile.add_argument(
+        "--absence-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds after a write deadline before a record's absence from Kafka is proof; "
+        "at least the brokers' replica.lag.time.max.ms (default: 30)",
+    )
     resolve_cmd = commands.add_parser(
         "resolve",
         help="decide an uncertain or quarantined message by hand, with a reason",
@@ -295,7 +303,12 @@ def _reconcile(args: argparse.Namespace) -> int:
             f"expired leases recovered: {len(moved)} "
             f"({to_pending} pending, {len(moved) - to_pending} uncertain)"
         )
-        reconciler = Reconciler(store, scanner, f"{operator_name()} (outbox reconcile)")
+        reconciler = Reconciler(
+            store,
+            scanner,
+            f"{operator_name()} (outbox reconcile)",
+            absence_grace=args.absence_grace,
+        )
         while True:
             report = reconciler.run_once()
             print(

@@ -271,9 +271,11 @@ FROM expired AS e JOIN moved USING (id)
 
 -- name: uncertain_due
 -- Uncertain messages whose producer can no longer write, with the evidence
--- of their batch, for the reconciler.
+-- of their batch, for the reconciler; and whether the grace after that has
+-- passed too, so that a record's absence proves it was never written.
 SELECT m.id, m.topic, m.key, m.fence, m.kafka_partition, b.partition_counts,
-       b.confirmed_offsets, m.seq
+       b.confirmed_offsets, m.seq,
+       m.available_at + make_interval(secs => %(grace)s::float8) <= now()
 FROM outbox.messages AS m
 LEFT JOIN outbox.batches AS b ON b.id = m.batch_id
 WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now()

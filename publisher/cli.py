@@ -120,7 +120,10 @@ def build_publisher(
     reconciler = None
     if config.reconcile_interval > 0:
         reconciler = Reconciler(
-            store, KafkaLogScanner(config.kafka_bootstrap), f"reconciler {publisher_id}"
+            store,
+            KafkaLogScanner(config.kafka_bootstrap),
+            f"reconciler {publisher_id}",
+            absence_grace=config.absence_grace,
         )
     publisher = Publisher(
         config,

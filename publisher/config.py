@@ -56,6 +56,9 @@ class PublisherConfig:
     #: Seconds between two reconciliation passes over uncertain messages;
     #: 0 turns automatic reconciliation off (``outbox reconcile`` still works).
     reconcile_interval: float = 10.0
+    #: Seconds after an uncertain message's write deadline before its record's
+    #: absence from Kafka counts as proof (the broker's replica.lag.time.max.ms).
+    absence_grace: float = 30.0
     #: Exit once nothing is left to deliver (for scripts and tests).
     exit_when_idle: bool = False
     #: First retry delay of a message Kafka did not take, doubled at each attempt.
@@ -177,6 +180,8 @@ class PublisherConfig:
                 "reconcile_interval",
                 f"reconcile interval must be 0 (off) or positive, got {self.reconcile_interval}",
             )
+        if self.absence_grace < 0:
+            problem("absence_grace", f"absence grace must be 0 or more, got {self.absence_grace}")
         if self.retry_base_seconds <= 0 or self.retry_cap_seconds < self.retry_base_seconds:
             problem("retry_base_seconds retry_cap_seconds", "retry delays need 0 < base <= cap")
         if self.max_attempts < 1:
@@ -364,6 +369,9 @@ SETTINGS: tuple[Setting, ...] = (
             "recovery and reconciliation", metavar="SECONDS"),
     Setting("reconcile_interval", float, "seconds between reconciliation passes over uncertain "
             "messages; 0 for none", "recovery and reconciliation", metavar="SECONDS"),
+    Setting("absence_grace", float, "seconds after a write deadline before a record's absence "
+            "from Kafka is proof; at least the brokers' replica.lag.time.max.ms",
+            "recovery and reconciliation", metavar="SECONDS"),
     Setting("retry_base_seconds", float, "first retry delay of a message Kafka did not take; "
             "doubles per attempt", "retries", metavar="SECONDS"),
     Setting("retry_cap_seconds", float, "longest retry delay", "retries", metavar="SECONDS"),

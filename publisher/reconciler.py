@@ -7,8 +7,12 @@ message's partition from the highest offset confirmed before its attempt to
 the partition's end, looking for the message id in the ``outbox-id`` header:
 
 * found: ``delivered`` at the offset found;
-* not found: ``pending``, with the scanned range recorded as the proof, so it
-  is sent again;
+* not found, once a grace period after the write deadline has passed too
+  (``absence_grace``, the broker's ``replica.lag.time.max.ms``: a record the
+  leader wrote but its followers had not copied yet sits above the high
+  watermark, invisible to the scan, until they copy it or drop out):
+  ``pending``, with the scanned range recorded as the proof, so it is sent
+  again; before that, it is left for a later pass;
 * the evidence is gone or cannot be trusted: it stays ``uncertain``, is
   marked escalated with the reason, and an operator decides. That is when
   the topic or partition no longer exists; when offsets to read were deleted
@@ -60,21 +64,32 @@ def _scan_start(message: UncertainMessage, topic: str, partition: int) -> int:
     return int(confirmed) + 1 if confirmed is not None else 0
 
 
+#: Kafka's default ``replica.lag.time.max.ms``, in seconds.
+DEFAULT_ABSENCE_GRACE = 30.0
+
+
 class Reconciler:
     """Decides uncertain messages; ``run_once`` is one pass over those that are due."""
 
     def __init__(
-        self, store: PublisherStore, scanner: LogScanner, decided_by: str, *, limit: int = 1000
+        self,
+        store: PublisherStore,
+        scanner: LogScanner,
+        decided_by: str,
+        *,
+        limit: int = 1000,
+        absence_grace: float = DEFAULT_ABSENCE_GRACE,
     ) -> None:
         self.store = store
         self.scanner = scanner
         self.decided_by = decided_by
         self.limit = limit
+        self.absence_grace = absence_grace
 
     def run_once(self) -> ReconcileReport:
         """Decide every due uncertain message (up to ``limit``) and record the decisions."""
         report = ReconcileReport()
-        due = self.store.uncertain_due(self.limit)
+        due = self.store.uncertain_due(self.limit, self.absence_grace)
         if not due:
             return report
         decisions: list[Decision] = []
@@ -228,7 +243,11 @@ class Reconciler:
                 (starts[m.id], log_start, end),
                 lost=lost,
                 is_compacted=is_compacted,
-            ) or self._overtaken(m, scan)
+            )
+            if gone is None and not m.absence_due:
+                report.deferred.append(m.id)  # absent so far; proof only after the grace
+                continue
+            gone = gone or self._overtaken(m, scan)
             if gone is not None:
                 decisions.append(
                     self._escalate(m, gone, topic=topic, partition=partition, evidence=evidence)

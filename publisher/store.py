@@ -107,6 +107,9 @@ class UncertainMessage:
     confirmed_offsets: Mapping[str, Mapping[str, int]] | None
     #: Its place in its key's order.
     seq: int = 0
+    #: Whether the grace after its write deadline has passed: only then is
+    #: its record's absence proof (see ``Reconciler``).
+    absence_due: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,9 +320,14 @@ class PublisherStore:
         rows += self.conn.execute(query("recover_unrecorded_leases"), {"limit": limit}).fetchall()
         return [Recovered(row[0], State(row[1]), *row[2:]) for row in rows]
 
-    def uncertain_due(self, limit: int = 1000) -> list[UncertainMessage]:
-        """Uncertain, not escalated messages whose producer can no longer write."""
-        rows = self.conn.execute(query("uncertain_due"), {"limit": limit}).fetchall()
+    def uncertain_due(self, limit: int = 1000, grace: float = 0.0) -> list[UncertainMessage]:
+        """Uncertain, not escalated messages whose producer can no longer write.
+
+        Each says whether ``grace`` seconds have passed since, too.
+        """
+        rows = self.conn.execute(
+            query("uncertain_due"), {"limit": limit, "grace": float(grace)}
+        ).fetchall()
         return [UncertainMessage(*row) for row in rows]
 
     def later_of_key(self, message_id: uuid.UUID, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:

@@ -139,7 +139,7 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
     scanner = KafkaLogScanner(kafka_bootstrap)
     try:
         assert store.recover_expired_leases() == []
-        assert Reconciler(store, scanner, "test").run_once().decided == 0
+        assert Reconciler(store, scanner, "test", absence_grace=0).run_once().decided == 0
     finally:
         scanner.close()
         store.close()

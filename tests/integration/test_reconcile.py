@@ -35,7 +35,7 @@ def reconciler(database_url: str, kafka_bootstrap: str) -> Iterator[Reconciler]:
     """A reconciler with a real scanner, recording its decisions as "test"."""
     store = claiming_store(database_url)
     scanner = KafkaLogScanner(kafka_bootstrap)
-    yield Reconciler(store, scanner, "test")
+    yield Reconciler(store, scanner, "test", absence_grace=0)
     scanner.close()
     store.close()
 
@@ -304,7 +304,7 @@ def test_a_topic_created_again_escalates_instead_of_proving_absence(
     store = claiming_store(database_url)
     scanner = KafkaLogScanner(kafka_bootstrap)
     try:
-        report = Reconciler(store, scanner, "test").run_once()
+        report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
     finally:
         scanner.close()
         store.close()
@@ -343,7 +343,7 @@ def test_records_deleted_while_the_scan_reads_them_escalate_instead_of_proving_a
     store: PublisherStore = claiming_store(database_url)
     scanner = _RetentionDuringTheScan(kafka_bootstrap, timeout_seconds=20)
     try:
-        report = Reconciler(store, scanner, "test").run_once()
+        report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
     finally:
         scanner.close()
         store.close()
@@ -424,7 +424,7 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
         )
         scanner = KafkaLogScanner(kafka_bootstrap)
         try:
-            report = Reconciler(store, scanner, "test").run_once()
+            report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
         finally:
             scanner.close()
     finally:
@@ -439,3 +439,28 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
         f"later message(s) of its key are already in Kafka after it was sent (first: {second})"
         in last_error
     )
+
+
+def test_absence_is_proof_only_after_the_grace_but_a_record_found_is_delivered_at_once(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Within the grace after the write deadline, an absent record may still become
+    visible (written but not yet replicated): the message waits; a found one does not."""
+    with psycopg.connect(database_url) as conn:
+        absent, present = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("a", "b"))
+    partitions = make_uncertain(database_url)
+    at = send_record(kafka_bootstrap, topic, partitions[present], present)
+    store = claiming_store(database_url)
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        within = Reconciler(store, scanner, "test", absence_grace=600).run_once()
+        after = Reconciler(store, scanner, "test", absence_grace=0).run_once()
+    finally:
+        scanner.close()
+        store.close()
+
+    assert (within.delivered, within.deferred) == ([present], [absent])
+    assert within.pending == within.escalated == []
+    assert _message(database_url, present)[:3] == ("delivered", partitions[present], at)
+    assert after.pending == [absent]
+    assert [d[0] for d in _decisions(database_url)] == [present, absent]

@@ -227,7 +227,9 @@ def test_reconcile_command_decides_found_and_absent_messages(
     partitions = make_uncertain(database_url)
     offset = send_record(kafka_bootstrap, topic, partitions[found], found)
 
-    result = _outbox("reconcile", "--kafka-bootstrap", kafka_bootstrap, url=database_url)
+    result = _outbox(
+        "reconcile", "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
+    )
     assert result.returncode == 0, result.stderr
     assert "reconciled: 1 delivered, 1 pending (proven absent), 0 escalated" in result.stdout
     assert _state(database_url, found) == ("delivered", partitions[found], offset)
@@ -250,7 +252,9 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     make_uncertain(database_url)
     delete_topic(kafka_bootstrap, gone)
 
-    result = _outbox("reconcile", "--kafka-bootstrap", kafka_bootstrap, url=database_url)
+    result = _outbox(
+        "reconcile", "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
+    )
     assert result.returncode == 1, result.stderr
     assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
     assert "1 message(s) still uncertain" in result.stdout
