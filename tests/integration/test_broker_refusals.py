@@ -35,7 +35,6 @@ _FAST = {
     "auto_create_topics": False,
     "delivery_timeout_ms": 3_000,
     "request_timeout_ms": 1_000,
-    "max_block_ms": 2_000,
     "reconcile_interval": 0.5,
 }
 
