@@ -37,6 +37,10 @@ class ConfigError(OutboxError):
     """A setting is missing, malformed, or contradicts another."""
 
 
+#: The shortest hand-over window (see ``PublisherConfig.hand_over_seconds``).
+MIN_HAND_OVER_SECONDS = 1.0
+
+
 @dataclass(frozen=True)
 class PublisherConfig:
     """Everything a publisher needs to run; ``validate()`` names every problem."""
@@ -103,9 +107,11 @@ class PublisherConfig:
         """How long after a batch is marked as sending its records may be handed over.
 
         A record whose turn comes later is not sent with this batch (it goes
-        back to pending, unsent): it waits for a claim of its own.
+        back to pending, unsent): it waits for a claim of its own. At least a
+        second, so that a very small ``max_block_ms`` still leaves time to
+        mark the batch and hand its records over.
         """
-        return self.max_block_ms / 1000
+        return max(self.max_block_ms / 1000, MIN_HAND_OVER_SECONDS)
 
     @property
     def write_deadline_seconds(self) -> float:
@@ -122,10 +128,10 @@ class PublisherConfig:
     def stall_seconds(self) -> float:
         """How long the loop may go without a turn before it counts as stuck.
 
-        A turn can legitimately take as long as the longest send, and an idle
+        A turn can legitimately take until the write deadline, and an idle
         loop turns at least every poll interval.
         """
-        return max(3 * self.poll_interval, self.longest_send_seconds + 10)
+        return max(3 * self.poll_interval, self.write_deadline_seconds + 10)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` listing every problem, one per line."""

@@ -716,7 +716,7 @@ class Publisher:
 
     def _progressing(self) -> bool:
         """Whether the loop moved recently enough for its leases to be renewed."""
-        return self._clock() - self._progress_at < self.config.longest_send_seconds + 10
+        return self._clock() - self._progress_at < self.config.write_deadline_seconds + 10
 
 
 def _shared_refusals(sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]) -> set[uuid.UUID]:

@@ -26,6 +26,7 @@ Every decision is written to ``outbox.decisions`` with its evidence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections import defaultdict
@@ -144,15 +145,17 @@ class Reconciler:
                 )
             else:
                 by_partition[partition].append(m)
-        compacted: list[bool] = []  # asked once per topic, and only when a record is missing
+        policy: list[set[str] | None] = []  # asked once per topic, only when a record is missing
 
-        def is_compacted() -> bool:
-            if not compacted:
-                compacted.append(self.scanner.compacted(topic))
-            return compacted[0]
+        def cleanup_policy() -> set[str] | None:
+            if not policy:
+                policy.append(self.scanner.cleanup_policy(topic))
+            return policy[0]
 
         for partition, group in by_partition.items():
-            decisions.extend(self._decide_partition(topic, partition, group, report, is_compacted))
+            decisions.extend(
+                self._decide_partition(topic, partition, group, report, cleanup_policy)
+            )
         return decisions
 
     def _decide_partition(
@@ -161,37 +164,40 @@ class Reconciler:
         partition: int,
         messages: Sequence[UncertainMessage],
         report: ReconcileReport,
-        is_compacted: Callable[[], bool],
+        cleanup_policy: Callable[[], set[str] | None],
     ) -> list[Decision]:
         log_start, end = self.scanner.offset_range(topic, partition)
         starts = {m.id: _scan_start(m, topic, partition) for m in messages}
+        decisions: list[Decision] = []
         # The partition ends below an offset confirmed before the attempt: the
         # log it was confirmed in is not this one (truncated, or the topic was
         # deleted and created again), and the range to read means nothing.
-        decisions = [
-            self._escalate(
-                m,
-                f"{topic}[{partition}] ends at offset {end}, below offset "
-                f"{starts[m.id] - 1} confirmed before its attempt: the log was truncated, "
-                "or the topic deleted and created again",
-                topic=topic,
-                partition=partition,
-                evidence={
-                    "topic": topic,
-                    "partition": partition,
-                    "confirmed_before": starts[m.id] - 1,
-                    "log_start": log_start,
-                    "log_end": end,
-                },
+        for m in [m for m in messages if starts[m.id] > end]:
+            if not m.absence_due:
+                report.deferred.append(m.id)  # its record may yet appear: wait out the grace
+                continue
+            decisions.append(
+                self._escalate(
+                    m,
+                    f"{topic}[{partition}] ends at offset {end}, below offset "
+                    f"{starts[m.id] - 1} confirmed before its attempt: the log was truncated, "
+                    "or the topic deleted and created again",
+                    topic=topic,
+                    partition=partition,
+                    evidence={
+                        "topic": topic,
+                        "partition": partition,
+                        "confirmed_before": starts[m.id] - 1,
+                        "log_start": log_start,
+                        "log_end": end,
+                    },
+                )
             )
-            for m in messages
-            if starts[m.id] > end
-        ]
         messages = [m for m in messages if starts[m.id] <= end]
         if not messages:
             return decisions
         scan_from = max(min(starts[m.id] for m in messages), log_start)
-        lost: str | None = None
+        lost: EvidenceLost | None = None
         try:
             scan = self.scanner.find(
                 topic,
@@ -207,9 +213,8 @@ class Reconciler:
             return decisions
         except EvidenceLost as exc:
             # Retention deleted part of the range while it was read: what the
-            # scan found still counts, a record it did not find proves nothing.
-            scan, lost = exc.scan, str(exc)
-        found = scan.found
+            # scan found still counts; a record it did not find proves nothing.
+            scan, lost = exc.scan, exc
         for m in messages:
             evidence: dict[str, object] = {
                 "topic": topic,
@@ -221,7 +226,7 @@ class Reconciler:
             # Only offsets above what was confirmed before this message's
             # attempt can hold its record; the shared scan may start lower
             # for another message of the same partition.
-            offsets = [o for o in found.get(str(m.id), []) if o >= starts[m.id]]
+            offsets = [o for o in scan.found.get(str(m.id), []) if o >= starts[m.id]]
             if offsets:
                 reason = f"found in {topic}[{partition}] at offset {offsets[0]}"
                 if len(offsets) > 1:
@@ -238,16 +243,19 @@ class Reconciler:
                     )
                 )
                 continue
-            gone = self._why_absence_proves_nothing(
-                f"{topic}[{partition}]",
-                (starts[m.id], log_start, end),
-                lost=lost,
-                is_compacted=is_compacted,
-            )
-            if gone is None and not m.absence_due:
-                report.deferred.append(m.id)  # absent so far; proof only after the grace
+            if not m.absence_due or (lost is not None and starts[m.id] >= lost.log_start):
+                # Not found yet: within the grace its record may still become
+                # visible; and a range retention cut into while it was read,
+                # but which is still there from this message's start, is read
+                # again next pass.
+                report.deferred.append(m.id)
                 continue
-            gone = gone or self._overtaken(m, scan)
+            where = f"{topic}[{partition}] offsets [{starts[m.id]}, {end})"
+            gone = (
+                self._evidence_gone(where, (starts[m.id], log_start, end), lost)
+                or self._compacted_away(m, where, scan, cleanup_policy)
+                or self._overtaken(m, scan)
+            )
             if gone is not None:
                 decisions.append(
                     self._escalate(m, gone, topic=topic, partition=partition, evidence=evidence)
@@ -258,8 +266,7 @@ class Reconciler:
                         m.id,
                         m.fence,
                         State.PENDING,
-                        f"proven absent: no record with its id in {topic}[{partition}] "
-                        f"offsets [{starts[m.id]}, {end})",
+                        f"proven absent: no record with its id in {where}",
                         partition,
                         None,
                         evidence,
@@ -268,32 +275,49 @@ class Reconciler:
         return decisions
 
     @staticmethod
-    def _why_absence_proves_nothing(
-        where: str,
-        offsets: tuple[int, int, int],
-        *,
-        lost: str | None,
-        is_compacted: Callable[[], bool],
+    def _evidence_gone(
+        where: str, offsets: tuple[int, int, int], lost: EvidenceLost | None
     ) -> str | None:
-        """Why a record not found may still have been written; ``None`` if absence is proof.
+        """Why offsets where its record could be are gone, if they are.
 
         ``offsets`` are where its record could start, the log start and the end.
         """
         start, log_start, end = offsets
         if lost is not None:
-            return f"not found in {where} offsets [{start}, {end}), and {lost}"
+            return f"not found in {where}, and {lost}"
         if start < log_start:
             return (
-                f"not found in {where} offsets [{log_start}, {end}), and offsets "
-                f"[{start}, {log_start}) where it could be were deleted (retention or compaction)"
-            )
-        if is_compacted():
-            return (
-                f"not found in {where} offsets [{start}, {end}), but the topic is compacted: "
-                "its record may have been written and removed since, once a later record "
-                "had the same key"
+                f"not found in offsets [{log_start}, {end}), and offsets [{start}, {log_start}) "
+                "where it could be were deleted (retention or compaction)"
             )
         return None
+
+    @staticmethod
+    def _compacted_away(
+        message: UncertainMessage,
+        where: str,
+        scan: Scan,
+        cleanup_policy: Callable[[], set[str] | None],
+    ) -> str | None:
+        """Why compaction may have removed its record, if it may have.
+
+        Compaction removes a record only once a later record has the same key:
+        with none of its key in the range read, its record cannot have been
+        compacted away, and its absence is proof.
+        """
+        if message.key is not None and not scan.key_records.get(message.key):
+            return None
+        policy = cleanup_policy()
+        if policy is None:
+            why = "the topic's cleanup.policy could not be read, so it may be compacted"
+        elif "compact" in policy:
+            why = "the topic is compacted"
+        else:
+            return None
+        return (
+            f"not found in {where}, but {why} and later records of its key are there: its "
+            "record may have been written and compacted away"
+        )
 
     def _overtaken(self, message: UncertainMessage, scan: Scan) -> str | None:
         """Why sending an absent message now would break its key's order, if it would.
@@ -304,8 +328,11 @@ class Reconciler:
         """
         if message.key is None:
             return None
-        ids = scan.by_key.get(message.key, set()) - {str(message.id)}
-        later = self.store.later_of_key(message.id, [uuid.UUID(i) for i in ids])
+        ids = []
+        for text in scan.by_key.get(message.key, set()) - {str(message.id)}:
+            with contextlib.suppress(ValueError):  # another producer's header, not an id
+                ids.append(uuid.UUID(text))
+        later = self.store.later_of_key(message.id, ids)
         if not later:
             return None
         return (

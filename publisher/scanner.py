@@ -32,18 +32,22 @@ class Scan:
     found: dict[str, list[int]] = field(default_factory=dict)
     #: The ``outbox-id`` of every record (with one) whose key was wanted, by key.
     by_key: dict[bytes, set[str]] = field(default_factory=dict)
+    #: How many records of each wanted key were read, with an ``outbox-id`` or not.
+    key_records: dict[bytes, int] = field(default_factory=dict)
 
 
 class EvidenceLost(Exception):
     """Offsets of the range were deleted (retention) before the scan read them.
 
     The scan cannot say what they held: a record missing from the rest of the
-    range is not proven absent. ``scan`` holds what was read before.
+    range is not proven absent. ``scan`` holds what was read before, and
+    ``log_start`` where the partition's log starts now.
     """
 
-    def __init__(self, message: str, scan: Scan) -> None:
+    def __init__(self, message: str, scan: Scan, log_start: int) -> None:
         super().__init__(message)
         self.scan = scan
+        self.log_start = log_start
 
 
 class LogScanner(Protocol):
@@ -74,8 +78,8 @@ class LogScanner(Protocol):
         """
         ...
 
-    def compacted(self, topic: str) -> bool:
-        """Whether the topic's cleanup policy includes ``compact``.
+    def cleanup_policy(self, topic: str) -> set[str] | None:
+        """The topic's ``cleanup.policy`` values; ``None`` if the broker did not say.
 
         Compaction removes a record from the middle of the log once a later
         record has the same key, so a record missing from such a topic may
@@ -163,10 +167,12 @@ class KafkaLogScanner:
             try:
                 polled = self._consumer.poll(timeout_ms=500)
             except kafka_errors.OffsetOutOfRangeError as exc:
+                log_start, _ = self.offset_range(topic, partition)
                 raise EvidenceLost(
-                    f"offsets of {topic}[{partition}] from {position} were deleted before "
-                    f"the scan of [{start}, {end}) read them ({exc})",
+                    f"offsets of {topic}[{partition}] from {position} to {log_start} were "
+                    f"deleted before the scan of [{start}, {end}) read them ({exc})",
                     scan,
+                    log_start,
                 ) from exc
             for records in polled.values():
                 for record in records:
@@ -179,9 +185,11 @@ class KafkaLogScanner:
                             scan.found.setdefault(value.decode(), []).append(record.offset)
                         if record.key in wanted_keys:
                             scan.by_key.setdefault(record.key, set()).add(value.decode())
+                    if record.key in wanted_keys:
+                        scan.key_records[record.key] = scan.key_records.get(record.key, 0) + 1
         return scan
 
-    def compacted(self, topic: str) -> bool:
+    def cleanup_policy(self, topic: str) -> set[str] | None:
         """Read the topic's ``cleanup.policy`` from the broker (it can change at any time)."""
         if self._admin is None:
             self._admin = KafkaAdminClient(
@@ -192,11 +200,11 @@ class KafkaLogScanner:
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})
         described = self._admin.describe_configs([resource], config_filter="all")
         entry = described.get("topic", {}).get(topic, {}).get("cleanup.policy")
-        if entry is None:
-            # Not described (the topic is gone, or the broker did not say):
-            # assume the worst, so absence is never taken for proof.
-            return True
-        return "compact" in {policy.strip() for policy in str(entry["value"]).split(",")}
+        if entry is None or entry.get("value") is None:
+            # Not described: the topic is gone, or this client may not read
+            # its configs (kafka-python drops the error code).
+            return None
+        return {policy.strip() for policy in str(entry["value"]).split(",")}
 
     def close(self) -> None:
         """Close the consumer and the admin client, if they were ever opened."""

@@ -357,27 +357,30 @@ def test_records_deleted_while_the_scan_reads_them_escalate_instead_of_proving_a
     assert "were deleted before the scan of [0, 3) read them" in last_error
 
 
-def test_a_record_missing_from_a_compacted_topic_escalates_and_one_found_is_delivered(
+def test_on_a_compacted_topic_absence_is_proof_only_with_no_later_record_of_its_key(
     database_url: str, kafka_bootstrap: str, reconciler: Reconciler
 ) -> None:
-    """Compaction removes records from the middle of a log: absence there proves nothing."""
+    """Compaction removes a record once a later one has its key: a missing record with
+    such a later record may have been compacted away; one with none is proven absent."""
     topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
     create_topic(kafka_bootstrap, topic, partitions=1, configs={"cleanup.policy": "compact"})
     with psycopg.connect(database_url) as conn:
-        missing, found = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("a", "b"))
+        crowded, found, lonely = (
+            outbox.enqueue(conn, topic, b"v", key=k) for k in ("crowded", "found", "lonely")
+        )
     make_uncertain(database_url, partitions=1)
-    send_record(kafka_bootstrap, topic, 0, uuid.uuid4(), key=b"c")
-    at = send_record(kafka_bootstrap, topic, 0, found, key=b"b")
+    # Another producer's record with the crowded message's key, after it.
+    send_record(kafka_bootstrap, topic, 0, uuid.uuid4(), key=b"crowded")
+    at = send_record(kafka_bootstrap, topic, 0, found, key=b"found")
 
     report = reconciler.run_once()
 
-    assert report.escalated == [missing]
+    assert report.escalated == [crowded]
     assert report.delivered == [found]
-    assert report.pending == []
-    state, _, _, escalated, last_error = _message(database_url, missing)
+    assert report.pending == [lonely]
+    state, _, _, escalated, last_error = _message(database_url, crowded)
     assert (state, escalated) == ("uncertain", True)
-    assert "not found in" in last_error
-    assert "the topic is compacted" in last_error
+    assert "the topic is compacted and later records of its key are there" in last_error
     assert _message(database_url, found)[:3] == ("delivered", 0, at)
 
 

@@ -99,6 +99,24 @@ def test_a_loop_without_progress_is_not_ready_then_not_alive() -> None:
     assert health.readiness().ok
 
 
+def test_a_loop_is_stuck_only_while_running_and_past_the_stall_limit() -> None:
+    """Starting or ended is not stuck; running and unturned for stall_seconds is."""
+    clock = FakeClock()
+    health = _health(clock)
+    clock.now += 500
+    assert not health.loop_stuck()  # still starting
+    health.loop_started()
+    clock.now += 50
+    assert not health.loop_stuck()
+    clock.now += 1
+    assert health.loop_stuck()
+    health.loop_turned()
+    assert not health.loop_stuck()
+    clock.now += 100
+    health.loop_ended()
+    assert not health.loop_stuck()
+
+
 def test_a_stopping_publisher_is_not_ready_and_an_ended_loop_is_not_alive() -> None:
     """After a stop request /readyz says stopping; once the loop ended /healthz fails."""
     health = _ready(FakeClock())

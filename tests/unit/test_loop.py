@@ -54,6 +54,8 @@ class FakeStore(PublisherStore):
         self.lost_before_sending: set[uuid.UUID] = set()
         #: What the next recovery pass moves.
         self.recovered: list[Recovered] = []
+        #: The write deadline (seconds after the mark) each mark_sending was given.
+        self.write_deadlines: list[float] = []
 
     @property
     def conn(self) -> Any:
@@ -98,6 +100,7 @@ class FakeStore(PublisherStore):
     ) -> set[uuid.UUID]:
         """Record the mark; every message is still held except those declared lost."""
         self.events.append("mark_sending")
+        self.write_deadlines.append(longest_send_seconds)
         return {m.id for m in batch.messages} - self.lost_before_sending
 
     def recover_expired_leases(self, limit: int = 1000) -> list[Recovered]:
@@ -464,10 +467,12 @@ def test_records_whose_turn_comes_after_the_hand_over_window_go_back_unsent() ->
 
     publisher.run_once()
 
-    # The window runs max_block from just before the mark.
+    # The window runs max_block from just before the mark, and the write
+    # deadline covers it: window + a blocked hand-over + delivery + request.
     [window, *_] = sink.windows
     assert window is not None
     assert before + 10.0 <= window <= time.monotonic() + 10.0
+    assert store.write_deadlines == [10.0 + 10.0 + 30.0 + 10.0]
     assert sink.sent == [sink.sent[0]]
     assert sink.sent[0].message_id == first.id
     [settled] = store.settled
@@ -480,6 +485,21 @@ def test_records_whose_turn_comes_after_the_hand_over_window_go_back_unsent() ->
         assert (s.send_began, s.counts_as_failure) == (False, False)
     assert by_id[second.id].send_alone is True
     assert publisher.totals.released == 2
+
+
+def test_the_heartbeat_stops_once_the_loop_is_stuck() -> None:
+    """The publisher tells its heartbeat the loop is alive from its health's stall check."""
+    events: list[str] = []
+    now = [1_000.0]
+    store, sink = FakeStore(events, []), FakeSink(events)
+    publisher = _publisher(store, sink, clock=lambda: now[0], heartbeat_store=FakeStore(events, []))
+    assert publisher.heartbeat is not None
+    publisher.health.loop_started()
+    assert publisher.heartbeat._loop_alive()
+    now[0] += CONFIG.stall_seconds + 1
+    assert not publisher.heartbeat._loop_alive()
+    assert publisher.heartbeat.beat() == 0  # no beat while stuck
+    assert "heartbeat" not in events
 
 
 def test_run_delivers_then_exits_when_idle() -> None:
