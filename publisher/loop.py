@@ -135,6 +135,10 @@ class Publisher:
             alive_seconds=config.stall_seconds + config.lease_seconds,
             clock=clock,
         )
+        if reconciler is not None:
+            # Each partition a pass decides counts as a turn: a long pass over
+            # many partitions is not a stuck loop.
+            reconciler.progress = self.health.loop_turned
         #: Prometheus metrics of this publisher, on a registry of its own.
         self.metrics = PublisherMetrics(self.health)
         self.metrics.info.labels(str(self.publisher_id), version).set(1)

@@ -86,6 +86,8 @@ class Reconciler:
         self.decided_by = decided_by
         self.limit = limit
         self.absence_grace = absence_grace
+        #: Called after each partition is decided: a long pass is not a stuck loop.
+        self.progress: Callable[[], None] = lambda: None
 
     def run_once(self) -> ReconcileReport:
         """Decide every due uncertain message (up to ``limit``) and record the decisions."""
@@ -156,6 +158,7 @@ class Reconciler:
             decisions.extend(
                 self._decide_partition(topic, partition, group, report, cleanup_policy)
             )
+            self.progress()
         return decisions
 
     def _decide_partition(

@@ -23,6 +23,7 @@ from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.loop import HAND_OVER_CLOSED, Publisher
 from publisher.partitioning import partition_for
+from publisher.reconciler import Reconciler
 from publisher.sink import (
     OutgoingRecord,
     SendReport,
@@ -485,6 +486,20 @@ def test_records_whose_turn_comes_after_the_hand_over_window_go_back_unsent() ->
         assert (s.send_began, s.counts_as_failure) == (False, False)
     assert by_id[second.id].send_alone is True
     assert publisher.totals.released == 2
+
+
+def test_a_reconcile_pass_turns_the_loop_as_it_goes() -> None:
+    """The publisher wires its reconciler's progress to its health: no stall during a pass."""
+    events: list[str] = []
+    store, sink = FakeStore(events, []), FakeSink(events)
+    now = [1_000.0]
+    reconciler = Reconciler(store, None, "test")  # type: ignore[arg-type]
+    publisher = _publisher(store, sink, clock=lambda: now[0], reconciler=reconciler)
+    publisher.health.loop_started()
+    now[0] += CONFIG.stall_seconds + 1
+    assert publisher.health.loop_stuck()
+    reconciler.progress()
+    assert not publisher.health.loop_stuck()
 
 
 def test_the_heartbeat_stops_once_the_loop_is_stuck() -> None:

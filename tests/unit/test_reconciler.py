@@ -169,3 +169,16 @@ def test_a_partition_that_ends_below_the_confirmed_offset_escalates_after_the_gr
     scanner = FakeScanner(Scan(), log=(0, 3), policy={"delete"})
 
     assert _decide(scanner, message) == {message.id: "escalated"}
+
+
+def test_each_partition_decided_counts_as_progress() -> None:
+    """A pass reports progress after every partition, so a long pass is not a stuck loop."""
+    scanner = FakeScanner(Scan(), policy={"delete"})
+    store = FakeStore([_uncertain()])
+    reconciler = Reconciler(store, scanner, "test")
+    turns: list[int] = []
+    reconciler.progress = lambda: turns.append(1)
+
+    reconciler.run_once()
+
+    assert turns == [1]
