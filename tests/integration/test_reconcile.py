@@ -13,9 +13,9 @@ from kafka import KafkaAdminClient, TopicPartition
 import outbox
 from outbox.states import State
 from publisher.partitioning import partition_for
-from publisher.reconciler import Reconciler
+from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.scanner import KafkaLogScanner
-from publisher.store import PublisherStore, Settlement
+from publisher.store import Settlement
 from tests.support import (
     claiming_store,
     create_topic,
@@ -38,6 +38,18 @@ def reconciler(database_url: str, kafka_bootstrap: str) -> Iterator[Reconciler]:
     yield Reconciler(store, scanner, "test", absence_grace=0)
     scanner.close()
     store.close()
+
+
+def _reconcile_once(
+    database_url: str, scanner: KafkaLogScanner, *, absence_grace: float = 0
+) -> ReconcileReport:
+    """One reconciliation pass with a store of its own and ``scanner``; both closed after."""
+    store = claiming_store(database_url)
+    try:
+        return Reconciler(store, scanner, "test", absence_grace=absence_grace).run_once()
+    finally:
+        scanner.close()
+        store.close()
 
 
 def _enqueue(database_url: str, topic: str) -> uuid.UUID:
@@ -301,13 +313,7 @@ def test_a_topic_created_again_escalates_instead_of_proving_absence(
     make_uncertain(database_url, partitions=1)
     # Its record was written: the first of the new log.
     assert send_record(kafka_bootstrap, topic, 0, message_id) == 0
-    store = claiming_store(database_url)
-    scanner = KafkaLogScanner(kafka_bootstrap)
-    try:
-        report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
-    finally:
-        scanner.close()
-        store.close()
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
 
     assert report.escalated == [message_id]
     assert report.pending == report.delivered == []
@@ -340,13 +346,9 @@ def test_records_deleted_while_the_scan_reads_them_escalate_instead_of_proving_a
     send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
     at = send_record(kafka_bootstrap, topic, partition, message_id)
     send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
-    store: PublisherStore = claiming_store(database_url)
-    scanner = _RetentionDuringTheScan(kafka_bootstrap, timeout_seconds=20)
-    try:
-        report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
-    finally:
-        scanner.close()
-        store.close()
+    report = _reconcile_once(
+        database_url, _RetentionDuringTheScan(kafka_bootstrap, timeout_seconds=20)
+    )
 
     assert report.escalated == [message_id]
     assert report.pending == report.delivered == []
@@ -425,13 +427,9 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
                 ),
             ],
         )
-        scanner = KafkaLogScanner(kafka_bootstrap)
-        try:
-            report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
-        finally:
-            scanner.close()
     finally:
         store.close()
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
 
     assert report.escalated == [first]
     # A message whose key did not move on is still proven absent, as before.
@@ -453,14 +451,9 @@ def test_absence_is_proof_only_after_the_grace_but_a_record_found_is_delivered_a
         absent, present = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("a", "b"))
     partitions = make_uncertain(database_url)
     at = send_record(kafka_bootstrap, topic, partitions[present], present)
-    store = claiming_store(database_url)
     scanner = KafkaLogScanner(kafka_bootstrap)
-    try:
-        within = Reconciler(store, scanner, "test", absence_grace=600).run_once()
-        after = Reconciler(store, scanner, "test", absence_grace=0).run_once()
-    finally:
-        scanner.close()
-        store.close()
+    within = _reconcile_once(database_url, scanner, absence_grace=600)
+    after = _reconcile_once(database_url, scanner)  # the scanner reconnects on use
 
     assert (within.delivered, within.deferred) == ([present], [absent])
     assert within.pending == within.escalated == []
