@@ -28,6 +28,7 @@ from publisher.sink import (
     KafkaSinkConfig,
     OutgoingRecord,
     SendReport,
+    SendWindow,
     hand_over_closed,
     held_back,
     key_identity,
@@ -169,14 +170,14 @@ class ConfluentSink:
             time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
 
     def send(
-        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+        self, records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
     ) -> _ConfluentInFlight:
         """Hand every record to the producer; a refusal is kept as its report."""
         producer = self._get_producer()
         in_flight = _ConfluentInFlight(producer, [None] * len(records))
         refused_keys: set[tuple[str, bytes] | None] = set()
         for index, r in enumerate(records):
-            if not window_open(hand_over_until):
+            if not window_open(window):
                 for later in range(index, len(records)):
                     in_flight.reports[later] = hand_over_closed()
                 break

@@ -55,7 +55,14 @@ from publisher.outcomes import (
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.retention import RetentionRunner
-from publisher.sink import HandOverClosed, NotHandedOver, OutgoingRecord, SendReport, Sink
+from publisher.sink import (
+    HandOverClosed,
+    NotHandedOver,
+    OutgoingRecord,
+    SendReport,
+    SendWindow,
+    Sink,
+)
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.waker import Waker
 
@@ -311,7 +318,9 @@ class Publisher:
         held = {m.id for m in batch.messages}
         # Counted from before the mark, so that it ends no later than the
         # write deadline the database computes from the mark's own time.
-        hand_over_until = time.monotonic() + self.config.hand_over_seconds
+        window = SendWindow.from_now(
+            self.config.hand_over_seconds, self.config.write_deadline_seconds
+        )
         if sendable:
             held = self.store.mark_sending(batch, counts, self.config.write_deadline_seconds)
             self._progress()
@@ -332,7 +341,7 @@ class Publisher:
         alone = {m.id for m in sendable if m.send_alone}
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
         created = {m.id: m.created_at for m in sendable}
-        sent, unsent = self._send_in_order(records, alone, keys, created, hand_over_until)
+        sent, unsent = self._send_in_order(records, alone, keys, created, window)
         suspects = _shared_refusals(sent)
         settlements = []
         to_send = {r.message_id for r in records}
@@ -462,14 +471,14 @@ class Publisher:
         alone: set[uuid.UUID],
         keys: dict[uuid.UUID, tuple[str, bytes]],
         created: dict[uuid.UUID, datetime | None] | None = None,
-        hand_over_until: float | None = None,
+        window: SendWindow | None = None,
     ) -> tuple[dict[uuid.UUID, tuple[OutgoingRecord, SendReport]], dict[uuid.UUID, str]]:
         """Send the records in order, those in ``alone`` one by one.
 
         Returns the records handed over with their reports, and why each of
         the others was not (a record of a key stopped earlier in the batch is
         in neither: it is held back). Nothing is handed over after
-        ``hand_over_until`` (``time.monotonic``).
+        the window's hand-over limit, nor written after its write deadline.
         """
         sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]] = {}
         unsent: dict[uuid.UUID, str] = {}
@@ -481,7 +490,7 @@ class Publisher:
             group = [r for r in candidates if keys.get(r.message_id) not in stopped_keys]
             if not group:
                 continue
-            in_flight = self.sink.send(group, hand_over_until=hand_over_until)
+            in_flight = self.sink.send(group, window=window)
             self.faults.reached("after_send")
             reports = self.sink.complete(in_flight)
             self._progress()

@@ -18,6 +18,7 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka import errors as kafka_errors
 
 from publisher.outcomes import TopicMissing
+from publisher.socket_guard import SocketGuard, WriteDeadlinePassed
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,53 @@ def hand_over_closed() -> SendReport:
     return SendReport(None, None, HandOverClosed("the batch's hand-over window had closed"), False)
 
 
-def window_open(hand_over_until: float | None) -> bool:
-    """Whether a record may still be handed to the producer (``time.monotonic`` clock)."""
-    return hand_over_until is None or time.monotonic() <= hand_over_until
+@dataclass(frozen=True, slots=True)
+class SendWindow:
+    """When a batch's records may be handed to the producer, and until when written.
+
+    Both limits count from just before the batch's mark, so each ends no
+    later than its counterpart in the database (the batch's ``write_deadline``
+    is computed from the mark's own time):
+
+    * ``hand_over_until``: a record whose turn comes later is not handed over;
+    * the write deadline: no byte of the batch leaves the process after it.
+      The reconciler may prove the batch's records absent once it (and the
+      absence grace) has passed, and a successor then sends them again; a
+      producer that wrote them later would write them twice.
+
+    The write deadline is checked on two clocks: the monotonic one cannot
+    jump back, and the wall clock also counts the time a suspended machine
+    was asleep (the monotonic clock stops then). Whichever passes first ends
+    the window.
+    """
+
+    #: ``time.monotonic()`` after which nothing more is handed over.
+    hand_over_until: float
+    #: ``time.monotonic()`` after which nothing more is written.
+    write_until: float
+    #: ``time.time()`` after which nothing more is written.
+    write_until_wall: float
+
+    @classmethod
+    def from_now(cls, hand_over_seconds: float, write_deadline_seconds: float) -> SendWindow:
+        """The window of a batch whose mark is about to be recorded."""
+        mono, wall = time.monotonic(), time.time()
+        return cls(
+            mono + hand_over_seconds, mono + write_deadline_seconds, wall + write_deadline_seconds
+        )
+
+    def may_hand_over(self) -> bool:
+        """Whether a record may still be handed to the producer."""
+        return time.monotonic() <= self.hand_over_until
+
+    def may_write(self) -> bool:
+        """Whether the producer may still write the batch's bytes to a socket."""
+        return time.monotonic() <= self.write_until and time.time() <= self.write_until_wall
+
+
+def window_open(window: SendWindow | None) -> bool:
+    """Whether a record may still be handed to the producer (always, without a window)."""
+    return window is None or window.may_hand_over()
 
 
 class HeldBack(NotHandedOver):
@@ -116,14 +161,15 @@ class Sink(Protocol):
         ...
 
     def send(
-        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+        self, records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
     ) -> InFlight:
         """Hand every record to the producer without waiting for the broker.
 
         Once the producer refuses a record, the later records of its key are
         not handed over: their reports are ``held_back()``. Nor is any record
-        whose turn comes after ``hand_over_until`` (``time.monotonic``): its
-        report, and every later record's, is ``hand_over_closed()``.
+        whose turn comes after the window's hand-over limit: its report, and
+        every later record's, is ``hand_over_closed()``. Where the producer
+        allows it, nothing is written after the window's write deadline.
         """
         ...
 
@@ -173,11 +219,17 @@ class KafkaSinkConfig:
 
 
 class KafkaSink:
-    """Sends with an idempotent kafka-python producer (``acks='all'``)."""
+    """Sends with an idempotent kafka-python producer (``acks='all'``).
+
+    A ``SocketGuard`` keeps each producer from writing a batch's bytes after
+    the batch's write deadline (``publisher.socket_guard``).
+    """
 
     def __init__(self, config: KafkaSinkConfig) -> None:
         self._config = config
         self._producer: Any = None
+        #: Keeps the current producer from writing past its batch's write deadline.
+        self._guard: SocketGuard | None = None
 
     def _get_producer(self) -> Any:
         if self._producer is None:
@@ -201,6 +253,7 @@ class KafkaSink:
             # metadata its producer requests, so a missing topic would be
             # created all the same; set it where the request is built.
             self._producer._metadata.config["allow_auto_create_topics"] = c.allow_auto_create_topics
+            self._guard = SocketGuard(self._producer)
         return self._producer
 
     def partition_count(self, topic: str) -> int:
@@ -234,14 +287,20 @@ class KafkaSink:
             admin.close()
 
     def send(
-        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+        self, records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
     ) -> _KafkaInFlight:
-        """Hand every record to the producer; a refusal is kept as its report."""
+        """Hand every record to the producer; a refusal is kept as its report.
+
+        The producer's socket writes are guarded from here until every record
+        is answered: none is written after the window's write deadline.
+        """
         producer = self._get_producer()
+        assert self._guard is not None
+        self._guard.arm(window)
         in_flight = _KafkaInFlight()
         refused_keys: set[tuple[str, bytes] | None] = set()
         for index, r in enumerate(records):
-            if not window_open(hand_over_until):
+            if not window_open(window):
                 in_flight.entries.extend(hand_over_closed() for _ in records[index:])
                 break
             key = key_identity(r)
@@ -281,6 +340,7 @@ class KafkaSink:
                         continue
                     with contextlib.suppress(Exception):
                         entry.get(timeout=max(deadline - time.monotonic(), 0.001))
+        tripped = self._guard is not None and self._guard.tripped
         reports: list[SendReport] = []
         for entry in in_flight.entries:
             if isinstance(entry, SendReport):
@@ -292,7 +352,16 @@ class KafkaSink:
                 metadata = entry.value
                 reports.append(SendReport(metadata.partition, metadata.offset, None, True))
             else:
-                reports.append(SendReport(None, None, entry.exception, handed_to_producer=True))
+                # After the guard closed the producer, its records fail with a
+                # generic "closed forcefully": name the real cause.
+                error = WriteDeadlinePassed(str(entry.exception)) if tripped else entry.exception
+                reports.append(SendReport(None, None, error, handed_to_producer=True))
+        if tripped:
+            self.discard_producer()  # closed by the guard: the next send starts a fresh one
+        elif self._guard is not None and all(
+            isinstance(e, SendReport) or e.is_done for e in in_flight.entries
+        ):
+            self._guard.disarm()  # nothing of the batch is left to write
         return reports
 
     def discard_producer(self) -> None:
@@ -305,6 +374,7 @@ class KafkaSink:
         the close that follows has nothing left to wait for.
         """
         producer, self._producer = self._producer, None
+        self._guard = None
         if producer is None:
             return
         sender = getattr(producer, "_sender", None)
@@ -319,5 +389,6 @@ class KafkaSink:
     def close(self) -> None:
         """Close the producer, letting it finish what it already holds."""
         producer, self._producer = self._producer, None
+        self._guard = None
         if producer is not None:
             producer.close(timeout=self._config.request_timeout_ms / 1000)

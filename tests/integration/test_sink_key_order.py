@@ -6,7 +6,6 @@ once the batch's hand-over window has closed, nothing more is handed over.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ from publisher.sink import (
     KafkaSink,
     KafkaSinkConfig,
     OutgoingRecord,
+    SendWindow,
     Sink,
 )
 from tests.support import read_topic
@@ -78,8 +78,8 @@ def test_nothing_is_handed_over_after_the_hand_over_window(
     ]
     sink = make_sink(KafkaSinkConfig(kafka_bootstrap))
     try:
-        on_time = sink.complete(sink.send(records[:1], hand_over_until=time.monotonic() + 60))
-        late = sink.complete(sink.send(records[1:], hand_over_until=time.monotonic() - 1))
+        on_time = sink.complete(sink.send(records[:1], window=SendWindow.from_now(60, 60)))
+        late = sink.complete(sink.send(records[1:], window=SendWindow.from_now(-1, 60)))
     finally:
         sink.close()
     assert on_time[0].error is None

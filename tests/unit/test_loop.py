@@ -27,6 +27,7 @@ from publisher.reconciler import Reconciler
 from publisher.sink import (
     OutgoingRecord,
     SendReport,
+    SendWindow,
     hand_over_closed,
     held_back,
     key_identity,
@@ -135,7 +136,7 @@ class FakeSink:
         self._next_offset = 100
         #: The clock the hand-over window is read on, and each send's window.
         self.now: Callable[[], float] = time.monotonic
-        self.windows: list[float | None] = []
+        self.windows: list[SendWindow | None] = []
         #: Records whose turn came after their window: never handed over.
         self.closed: set[uuid.UUID] = set()
 
@@ -147,12 +148,12 @@ class FakeSink:
         return self.partitions[topic]
 
     def send(
-        self, records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+        self, records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
     ) -> list[OutgoingRecord]:
         """Record the records handed over (none once the hand-over window closed)."""
         self.events.append("send")
-        self.windows.append(hand_over_until)
-        if hand_over_until is not None and self.now() > hand_over_until:
+        self.windows.append(window)
+        if window is not None and self.now() > window.hand_over_until:
             self.closed.update(r.message_id for r in records)
             return list(records)
         self.batches_sent += 1
@@ -464,16 +465,19 @@ def test_records_whose_turn_comes_after_the_hand_over_window_go_back_unsent() ->
     _events, store, sink, publisher = _setup(first, second, third)
     readings = iter([0.0, 1e9, 1e9])  # open for the first send, closed for the next ones
     sink.now = lambda: next(readings)
-    before = time.monotonic()
+    before, before_wall = time.monotonic(), time.time()
 
     publisher.run_once()
 
     # The window runs max_block from just before the mark, and the write
-    # deadline covers it: window + a blocked hand-over + delivery + request.
+    # deadline covers it: window + a blocked hand-over + delivery + request;
+    # the producer is told the same deadline, on both clocks.
     [window, *_] = sink.windows
     assert window is not None
-    assert before + 10.0 <= window <= time.monotonic() + 10.0
+    assert before + 10.0 <= window.hand_over_until <= time.monotonic() + 10.0
     assert store.write_deadlines == [10.0 + 10.0 + 30.0 + 10.0]
+    assert before + 60.0 <= window.write_until <= time.monotonic() + 60.0
+    assert before_wall + 60.0 <= window.write_until_wall <= time.time() + 60.0
     assert sink.sent == [sink.sent[0]]
     assert sink.sent[0].message_id == first.id
     [settled] = store.settled
@@ -665,12 +669,12 @@ def test_the_loop_holds_a_batch_from_its_claim_to_its_settle() -> None:
     original = sink.send
 
     def send(
-        records: Sequence[OutgoingRecord], *, hand_over_until: float | None = None
+        records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
     ) -> list[OutgoingRecord]:
         if publisher._ahead is not None:
             publisher._ahead.result()  # let the claim-ahead come back first
         seen.append(sorted(publisher.held_batches()))
-        return original(records, hand_over_until=hand_over_until)
+        return original(records, window=window)
 
     sink.send = send  # type: ignore[method-assign]
     try:
