@@ -158,6 +158,7 @@ publishers = sa.Table(
     sa.Column("started_at", _tstz(), nullable=False, server_default=_NOW),
     sa.Column("heartbeat_at", _tstz(), nullable=False, server_default=_NOW),
     sa.Column("stopped_at", _tstz()),
+    sa.Column("transactional_id", sa.Text),
     sa.PrimaryKeyConstraint("id", name="publishers_pkey"),
 )
 
@@ -209,6 +210,7 @@ batches = sa.Table(
     sa.Column("partition_counts", pg.JSONB),
     sa.Column("confirmed_offsets", pg.JSONB),
     sa.Column("settled_at", _tstz()),
+    sa.Column("transactional_id", sa.Text),
     sa.PrimaryKeyConstraint("id", name="batches_pkey"),
     sa.Index("batches_publisher", "publisher_id"),
 )

@@ -101,7 +101,9 @@ SELECT id FROM outbox.batches WHERE id = %(batch_id)s FOR UPDATE
 -- Second half, same transaction, fresh snapshot: record that sending begins
 -- and return the messages of the batch this publisher still holds. Recovery
 -- locks the batch row too, so it either ran before (and those messages are not
--- returned) or runs after and sees send_began_at.
+-- returned) or runs after and sees send_began_at. In transactional delivery
+-- the batch records the transactional.id it is sent under (NULL otherwise),
+-- and the publisher row the session in use.
 WITH held AS (
     SELECT id
     FROM outbox.messages
@@ -111,6 +113,7 @@ WITH held AS (
     UPDATE outbox.batches
     SET send_began_at = clock_timestamp(),
         write_deadline = clock_timestamp() + make_interval(secs => %(longest_send_seconds)s),
+        transactional_id = %(transactional_id)s,
         partition_counts = %(partition_counts)s,
         confirmed_offsets = (
             SELECT coalesce(jsonb_object_agg(topic, offsets), '{}')
@@ -120,6 +123,9 @@ WITH held AS (
                   GROUP BY topic) AS per_topic
         )
     WHERE id = %(batch_id)s AND EXISTS (SELECT 1 FROM held)
+), session AS (
+    UPDATE outbox.publishers SET transactional_id = %(transactional_id)s
+    WHERE id = %(owner)s AND transactional_id IS DISTINCT FROM %(transactional_id)s
 )
 SELECT id FROM held
 
@@ -128,7 +134,9 @@ SELECT id FROM held
 -- with its attempt record and the highest confirmed offset per partition.
 -- Only rows still in flight under the same fence change: a publisher that
 -- lost its lease changes nothing. An uncertain message waits until the
--- producer that sent it can no longer write before it is reconciled.
+-- producer that sent it can no longer write before it is reconciled: its
+-- write deadline; or, sent in a transaction, none (the reconciler fences the
+-- transactional.id before it reads the log).
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[], %(states)s::text[],
@@ -138,7 +146,9 @@ WITH outcome AS (
          AS o(id, fence, state, outcome, kafka_partition, kafka_offset,
               retry_after, error, send_began, counts_as_failure, send_alone)
 ), batch AS (
-    SELECT claimed_at, write_deadline FROM outbox.batches WHERE id = %(batch_id)s
+    SELECT claimed_at,
+           CASE WHEN transactional_id IS NULL THEN write_deadline END AS write_deadline
+    FROM outbox.batches WHERE id = %(batch_id)s
 ), settled AS (
     UPDATE outbox.messages AS m
     SET state = o.state,
@@ -189,7 +199,8 @@ SELECT id FROM settled
 -- next pass.
 WITH expired AS (
     SELECT m.id, m.fence, m.attempts, m.lease_owner, m.lease_expires_at, m.batch_id,
-           b.claimed_at, b.send_began_at, b.write_deadline, p.heartbeat_at
+           b.claimed_at, b.send_began_at, p.heartbeat_at,
+           CASE WHEN b.transactional_id IS NULL THEN b.write_deadline END AS write_deadline
     FROM outbox.messages AS m
     JOIN outbox.batches AS b ON b.id = m.batch_id
     LEFT JOIN outbox.publishers AS p ON p.id = m.lease_owner
@@ -272,10 +283,14 @@ FROM expired AS e JOIN moved USING (id)
 -- name: uncertain_due
 -- Uncertain messages whose producer can no longer write, with the evidence
 -- of their batch, for the reconciler; and whether the grace after that has
--- passed too, so that a record's absence proves it was never written.
+-- passed too, so that a record's absence proves it was never written. A
+-- message sent in a transaction needs no grace: the reconciler fences its
+-- transactional.id and reads only committed records.
 SELECT m.id, m.topic, m.key, m.fence, m.kafka_partition, b.partition_counts,
        b.confirmed_offsets, m.seq,
-       m.available_at + make_interval(secs => %(grace)s::float8) <= now()
+       b.transactional_id IS NOT NULL
+           OR m.available_at + make_interval(secs => %(grace)s::float8) <= now(),
+       b.transactional_id
 FROM outbox.messages AS m
 LEFT JOIN outbox.batches AS b ON b.id = m.batch_id
 WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now()

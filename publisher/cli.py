@@ -162,6 +162,9 @@ def _sink(config: PublisherConfig, publisher_id: uuid.UUID) -> Sink:
         request_timeout_ms=config.request_timeout_ms,
         max_block_ms=config.max_block_ms,
         allow_auto_create_topics=config.auto_create_topics,
+        transactional_id_prefix=(
+            f"outbox-{publisher_id}" if config.delivery == "transactional" else None
+        ),
     )
     if config.sink == "confluent":
         # Only with the confluent extra installed (the config checked it).

@@ -31,6 +31,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 #: The producers a publisher can send with (``--sink``).
 SINKS = ("kafka-python", "confluent")
+#: How a publisher delivers (``--delivery``); see docs/guarantees.md.
+DELIVERY_MODES = ("idempotent", "transactional")
 
 
 class ConfigError(OutboxError):
@@ -80,6 +82,10 @@ class PublisherConfig:
     #: The producer library: ``kafka-python``, or ``confluent`` (librdkafka,
     #: from the ``confluent`` extra).
     sink: str = "kafka-python"
+    #: ``idempotent`` (the default, safe for every consumer), or
+    #: ``transactional``: each batch in a Kafka transaction, fenced by Kafka,
+    #: exactly once for read_committed consumers.
+    delivery: str = "idempotent"
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
     #: Address of the metrics and health endpoints.
@@ -238,6 +244,11 @@ class PublisherConfig:
                 "sink 'confluent' needs the confluent-kafka package: "
                 "pip install 'outbox[confluent]'",
             )
+        if self.delivery not in DELIVERY_MODES:
+            problem(
+                "delivery",
+                f"delivery {self.delivery!r} is not one of {', '.join(DELIVERY_MODES)}",
+            )
         if self.purge_interval <= 0:
             problem("purge_interval", f"purge interval must be positive, got {self.purge_interval}")
         if not 0 <= self.http_port <= 65535:
@@ -394,6 +405,9 @@ SETTINGS: tuple[Setting, ...] = (
             flag_sets=False),
     Setting("sink", str, "producer library: kafka-python, or confluent (librdkafka; pip install "
             "'outbox[confluent]')", "Kafka producer", normalise="lower", metavar="NAME"),
+    Setting("delivery", str, "idempotent, or transactional: each batch in a Kafka transaction "
+            "that Kafka fences, exactly once for read_committed consumers", "Kafka producer",
+            normalise="lower", metavar="MODE"),
     Setting("http_host", str, "address of /metrics, /healthz and /readyz", "metrics and health "
             "over HTTP", metavar="HOST"),
     Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",

@@ -22,7 +22,7 @@ from typing import Any, cast
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from kafka import errors as kafka_errors
 
-from publisher.outcomes import TopicMissing, from_librdkafka
+from publisher.outcomes import TopicMissing, TransactionEnd, from_librdkafka
 from publisher.sink import (
     InFlight,
     KafkaSinkConfig,
@@ -36,6 +36,17 @@ from publisher.sink import (
 )
 
 log = logging.getLogger(__name__)
+
+#: What librdkafka reports to a session whose transactional.id was taken over.
+_FENCING_CODES = frozenset(
+    code
+    for code in (
+        getattr(KafkaError, "_FENCED", None),
+        getattr(KafkaError, "PRODUCER_FENCED", None),
+        getattr(KafkaError, "INVALID_PRODUCER_EPOCH", None),
+    )
+    if code is not None
+)
 
 #: librdkafka's own log lines (connections, metadata), as Python log records.
 librdkafka_log = logging.getLogger("publisher.librdkafka")
@@ -95,6 +106,9 @@ class ConfluentSink:
         self._counts: dict[str, tuple[int, float]] = {}
         #: A fatal error of the current producer (idempotence broken): replace it.
         self._fatal: KafkaError | None = None
+        #: Producer sessions opened so far (numbers the transactional.ids).
+        self._sessions = 0
+        self._transactional_id: str | None = None
 
     def _get_producer(self) -> Producer:
         if self._fatal is not None:
@@ -121,8 +135,62 @@ class ConfluentSink:
                 "logger": librdkafka_log,
                 **c.extra,
             }
-            self._producer = Producer(settings)
+            transactional_id = None
+            if c.transactional_id_prefix is not None:
+                self._sessions += 1
+                transactional_id = f"{c.transactional_id_prefix}-{self._sessions}"
+                settings["transactional.id"] = transactional_id
+            producer = Producer(settings)
+            if transactional_id is not None:
+                try:
+                    # Fences any earlier session of this id, and gets an epoch.
+                    producer.init_transactions(c.max_block_ms / 1000)
+                except KafkaException as exc:
+                    producer.close()
+                    raise _exception(exc.args[0]) from exc
+            self._producer, self._transactional_id = producer, transactional_id
         return self._producer
+
+    @property
+    def transactional_id(self) -> str | None:
+        """The current session's transactional.id; ``None`` in idempotent delivery."""
+        return self._transactional_id if self._producer is not None else None
+
+    def begin_transaction(self) -> None:
+        """Open a Kafka transaction for the next sends."""
+        self._get_producer().begin_transaction()
+
+    def end_transaction(self, *, commit: bool) -> TransactionEnd:
+        """Commit (after every record was confirmed) or abort the open transaction.
+
+        Waits at most the request timeout: no answer is ``UNKNOWN``, and the
+        session is discarded (the reconciler fences its transactional.id
+        before deciding). A commit that fails and needs an abort is aborted.
+        ``FENCED``: the session is a zombie.
+        """
+        producer = self._producer
+        if producer is None:
+            return TransactionEnd.UNKNOWN
+        timeout = self._config.request_timeout_ms / 1000
+        end = TransactionEnd.COMMITTED if commit else TransactionEnd.ABORTED
+        try:
+            if commit:
+                producer.commit_transaction(timeout)
+            else:
+                producer.abort_transaction(timeout)
+        except KafkaException as exc:
+            error = exc.args[0]
+            if isinstance(error, KafkaError) and error.code() in _FENCING_CODES:
+                end = TransactionEnd.FENCED
+            elif commit and isinstance(error, KafkaError) and error.txn_requires_abort():
+                log.warning("the transaction's commit failed (%s); aborting it", error)
+                return self.end_transaction(commit=False)
+            else:
+                log.warning("the transaction's %s failed: %s", end.value, error)
+                end = TransactionEnd.UNKNOWN
+        if end in (TransactionEnd.UNKNOWN, TransactionEnd.FENCED):
+            self.discard_producer()
+        return end
 
     def _on_error(self, error: KafkaError) -> None:
         """librdkafka's client-level errors: a broker down, a fatal idempotence error."""
@@ -261,6 +329,7 @@ class ConfluentSink:
         """
         producer, self._producer = self._producer, None
         self._counts.clear()
+        self._transactional_id = None
         if producer is None:
             return
         try:

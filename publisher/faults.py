@@ -8,7 +8,10 @@ timeline in docs/guarantees.md:
 
 * ``after_claim``: the batch is leased, sending has not begun;
 * ``after_send``: every record was handed to the producer, none acknowledged;
-* ``after_ack``: the broker acknowledged the batch, nothing recorded yet;
+* ``after_ack``: the broker acknowledged the batch, nothing recorded yet (in
+  transactional delivery: its transaction is not committed yet);
+* ``after_commit``: (transactional delivery) the transaction is committed,
+  nothing recorded yet;
 * ``after_confirm``: the outcomes are recorded.
 """
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 from outbox.errors import OutboxError
 
-CUTS = ("after_claim", "after_send", "after_ack", "after_confirm")
+CUTS = ("after_claim", "after_send", "after_ack", "after_commit", "after_confirm")
 #: Exit code of an injected crash, so tests can tell it from a real failure.
 CRASH_EXIT_CODE = 70
 

@@ -46,9 +46,12 @@ from publisher.logs import MessageLog
 from publisher.metrics import PublisherMetrics, StatusRead, StatusReader
 from publisher.outcomes import (
     ATTEMPT_OUTCOME,
+    FENCING_ERRORS,
     NEXT_STATE,
     SendOutcome,
     TopicMissing,
+    TransactionEnd,
+    after_transaction,
     classify,
     retry_delay,
 )
@@ -108,6 +111,8 @@ class Publisher:
     ) -> None:
         self.config = config
         self.store = store
+        #: Each batch in a Kafka transaction (``--delivery transactional``).
+        self._transactional = config.delivery == "transactional"
         #: Runs retention (``outbox purge``) in the background, when configured.
         self.retention = retention
         #: With a store of its own (its own connection), the next batch is
@@ -321,8 +326,18 @@ class Publisher:
         window = SendWindow.from_now(
             self.config.hand_over_seconds, self.config.write_deadline_seconds
         )
+        if sendable and self._transactional:
+            try:
+                # Opens the session (init_transactions) whose id the mark records.
+                self.sink.begin_transaction()
+            except Exception as exc:  # noqa: BLE001 - nothing was sent: each settles pending
+                self.health.kafka.failed(exc)
+                report = SendReport(None, None, exc, handed_to_producer=False)
+                return [self._settlement(m, report, None) for m in batch.messages]
         if sendable:
-            held = self.store.mark_sending(batch, counts, self.config.write_deadline_seconds)
+            held = self.store.mark_sending(
+                batch, counts, self.config.write_deadline_seconds, self.sink.transactional_id
+            )
             self._progress()
             self._claim_ahead()
             self._count_lost_before_sending(batch, held)
@@ -342,6 +357,12 @@ class Publisher:
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
         created = {m.id: m.created_at for m in sendable}
         sent, unsent = self._send_in_order(records, alone, keys, created, window)
+        end = None
+        if self._transactional and sendable:
+            end = self._end_transaction(batch, sent)
+            if end is TransactionEnd.FENCED:
+                return []  # a zombie's word on the batch is not recorded
+            self.faults.reached("after_commit")
         suspects = _shared_refusals(sent)
         settlements = []
         to_send = {r.message_id for r in records}
@@ -353,9 +374,45 @@ class Publisher:
             elif m.id in sent:
                 record, report = sent[m.id]
                 settlements.append(
-                    self._settlement(m, report, record.partition, shared=m.id in suspects)
+                    self._settlement(
+                        m, report, record.partition, shared=m.id in suspects, transaction=end
+                    )
                 )
         return settlements
+
+    def _end_transaction(
+        self, batch: Batch, sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]
+    ) -> TransactionEnd:
+        """Commit the batch's transaction if Kafka confirmed every record sent, else abort it.
+
+        A session fenced by another producer with its transactional.id (a
+        successor recovered this batch while this process was frozen or
+        starved) is a zombie: nothing of the batch is recorded, and the next
+        batch starts a new session.
+        """
+        reports = [report for _, report in sent.values()]
+        fenced = any(isinstance(r.error, FENCING_ERRORS) for r in reports)
+        if fenced:
+            self.sink.discard_producer()
+            end = TransactionEnd.FENCED
+        else:
+            commit = bool(reports) and all(r.error is None for r in reports)
+            end = self.sink.end_transaction(commit=commit)
+        if end is TransactionEnd.FENCED:
+            self.totals.stale += len(batch.messages)
+            self.metrics.lease_losses.labels("fenced").inc(len(batch.messages))
+            log.error(
+                "batch %d: this producer session was fenced: another publisher took its "
+                "transactional.id over (this process was frozen or starved past its lease); "
+                "nothing of the batch is recorded by this publisher",
+                batch.id,
+                extra={"batch_id": batch.id},
+            )
+        elif end is not TransactionEnd.COMMITTED or not reports:
+            log.warning(
+                "batch %d: transaction %s", batch.id, end.value, extra={"batch_id": batch.id}
+            )
+        return end
 
     # --- claiming ahead ----------------------------------------------------------
 
@@ -504,6 +561,13 @@ class Publisher:
                 sent[r.message_id] = (r, report)
                 if report.error is not None and r.message_id in keys:
                     stopped_keys.add(keys[r.message_id])
+            if self._transactional and any(r.error is not None for r in reports):
+                # The transaction is aborted at the end: what is left is not
+                # sent into it (and stays with the producer it was begun on).
+                aborted = "not sent: an earlier record of its transaction failed"
+                for later in records[records.index(group[-1]) + 1 :]:
+                    unsent.setdefault(later.message_id, aborted)
+                break
             if any(_spoils_producer(r) for r in reports):
                 # The producer session that produced an unknown outcome must
                 # not send anything more (abandon its producer id), and after a
@@ -548,6 +612,7 @@ class Publisher:
         partition: int | None,
         *,
         shared: bool = False,
+        transaction: TransactionEnd | None = None,
     ) -> Settlement:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
         error = None if report.error is None else f"{type(report.error).__name__}: {report.error}"
@@ -559,6 +624,16 @@ class Publisher:
             outcome = SendOutcome.UNCERTAIN
             failure_class = outcome.value
             error = f"refused together with other records, not attributable: {error}"
+        if transaction is not None:
+            ended = after_transaction(outcome, transaction)
+            if ended is not outcome:
+                error = f"{error}; " if error else ""
+                error += f"its transaction was {transaction.value}"
+                if outcome is SendOutcome.CONFIRMED and ended is SendOutcome.NOT_WRITTEN:
+                    # Aborted for another record's sake: sent again at once.
+                    return _unsent(m, f"not committed: {error}", send_began=True)
+                outcome = ended
+                failure_class = outcome.value
         retry_after = 0.0
         if outcome is SendOutcome.NOT_WRITTEN and m.failures + 1 >= self.config.max_attempts:
             outcome = SendOutcome.NON_RETRIABLE
@@ -785,14 +860,14 @@ HAND_OVER_CLOSED = (
 )
 
 
-def _unsent(m: ClaimedMessage, reason: str) -> Settlement:
-    """Back to pending without having been sent: an abandoned attempt, no failure counted."""
+def _unsent(m: ClaimedMessage, reason: str, *, send_began: bool = False) -> Settlement:
+    """Back to pending, not written: an abandoned attempt, no failure counted."""
     return Settlement(
         message_id=m.id,
         fence=m.fence,
         state=State.PENDING,
         attempt_outcome="abandoned",
         error=reason,
-        send_began=False,
+        send_began=send_began,
         send_alone=m.send_alone,
     )

@@ -46,6 +46,45 @@ ATTEMPT_OUTCOME: dict[SendOutcome, str] = {
 }
 
 
+class TransactionEnd(Enum):
+    """How a batch's Kafka transaction ended (transactional delivery)."""
+
+    #: Committed: every record it carried is visible to read_committed consumers.
+    COMMITTED = "committed"
+    #: Aborted: none of its records is visible to read_committed consumers.
+    ABORTED = "aborted"
+    #: The answer was lost (broker away, timed out): the reconciler fences the
+    #: session's transactional.id and reads the log to decide.
+    UNKNOWN = "unknown"
+    #: Another producer took the transactional.id over: this session is a
+    #: zombie, and its word on the batch must not be recorded.
+    FENCED = "fenced"
+
+
+#: What a broker answers a producer session whose transactional.id was taken over.
+FENCING_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.ProducerFencedError,
+    kafka_errors.InvalidProducerEpochError,
+)
+
+
+def after_transaction(outcome: SendOutcome, end: TransactionEnd) -> SendOutcome:
+    """A record's outcome once the Kafka transaction that carried it ended.
+
+    Committed: as the producer reported it (a batch commits only when every
+    record was confirmed). Aborted: no record of it is visible to a
+    read_committed consumer, so what was confirmed or left open was not
+    written (a content refusal stays one). Unknown: what was confirmed may
+    or may not be committed, so it is uncertain, for the reconciler to decide
+    after it fences the session. Fenced: the caller records nothing.
+    """
+    if end is TransactionEnd.ABORTED and outcome in (SendOutcome.CONFIRMED, SendOutcome.UNCERTAIN):
+        return SendOutcome.NOT_WRITTEN
+    if end is TransactionEnd.UNKNOWN and outcome is SendOutcome.CONFIRMED:
+        return SendOutcome.UNCERTAIN
+    return outcome
+
+
 class TopicMissing(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-python is untyped
     """The topic does not exist and the publisher may not (or the broker will not) create it."""
 

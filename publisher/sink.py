@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka import errors as kafka_errors
 
-from publisher.outcomes import TopicMissing
+from publisher.outcomes import FENCING_ERRORS, TopicMissing, TransactionEnd
 from publisher.socket_guard import SocketGuard, WriteDeadlinePassed
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,19 @@ class Sink(Protocol):
         """Abandon the current producer session; the next send starts a fresh one."""
         ...
 
+    @property
+    def transactional_id(self) -> str | None:
+        """The current session's transactional.id; ``None`` in idempotent delivery."""
+        ...
+
+    def begin_transaction(self) -> None:
+        """Open a Kafka transaction for the next sends (transactional delivery only)."""
+        ...
+
+    def end_transaction(self, *, commit: bool) -> TransactionEnd:
+        """Commit (or abort) the open transaction and say how it ended."""
+        ...
+
     def close(self) -> None:
         """Release connections."""
         ...
@@ -213,6 +226,9 @@ class KafkaSinkConfig:
     #: (where the broker allows it at all).
     allow_auto_create_topics: bool = True
     max_request_size: int = 1_048_576
+    #: Transactional delivery: each producer session gets the transactional.id
+    #: ``<prefix>-<n>`` (n counts the sessions); ``None``: idempotent delivery.
+    transactional_id_prefix: str | None = None
     #: Passed to the producer as they are: kafka-python keyword arguments, or
     #: librdkafka properties for ``ConfluentSink``, which takes this config too.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -230,10 +246,17 @@ class KafkaSink:
         self._producer: Any = None
         #: Keeps the current producer from writing past its batch's write deadline.
         self._guard: SocketGuard | None = None
+        #: Producer sessions opened so far (numbers the transactional.ids).
+        self._sessions = 0
+        self._transactional_id: str | None = None
 
     def _get_producer(self) -> Any:
         if self._producer is None:
             c = self._config
+            transactional_id = None
+            if c.transactional_id_prefix is not None:
+                self._sessions += 1
+                transactional_id = f"{c.transactional_id_prefix}-{self._sessions}"
             self._producer = KafkaProducer(
                 bootstrap_servers=c.bootstrap_servers,
                 client_id=c.client_id,
@@ -247,6 +270,7 @@ class KafkaSink:
                 max_block_ms=c.max_block_ms,
                 max_request_size=c.max_request_size,
                 allow_auto_create_topics=c.allow_auto_create_topics,
+                transactional_id=transactional_id,
                 **c.extra,
             )
             # kafka-python 3.0 does not pass allow_auto_create_topics on to the
@@ -254,7 +278,60 @@ class KafkaSink:
             # created all the same; set it where the request is built.
             self._producer._metadata.config["allow_auto_create_topics"] = c.allow_auto_create_topics
             self._guard = SocketGuard(self._producer)
+            if transactional_id is not None:
+                try:
+                    # Fences any earlier session of this id, and gets an epoch.
+                    self._producer.init_transactions()
+                except BaseException:
+                    self.discard_producer()
+                    raise
+                self._transactional_id = transactional_id
         return self._producer
+
+    @property
+    def transactional_id(self) -> str | None:
+        """The current session's transactional.id; ``None`` in idempotent delivery."""
+        return self._transactional_id if self._producer is not None else None
+
+    def begin_transaction(self) -> None:
+        """Open a Kafka transaction for the next sends."""
+        self._get_producer().begin_transaction()
+
+    def end_transaction(self, *, commit: bool) -> TransactionEnd:
+        """Commit (after every record was confirmed) or abort the open transaction.
+
+        Waits at most the request timeout for the coordinator's answer: no
+        answer is ``UNKNOWN``, and the session is discarded (the reconciler
+        fences its transactional.id before deciding). A commit that fails
+        with an abortable error is aborted. ``FENCED``: the session is a zombie.
+        """
+        producer = self._producer
+        if producer is None:
+            return TransactionEnd.UNKNOWN  # closed mid-transaction (by the socket guard)
+        manager = producer._transaction_manager
+        end = TransactionEnd.COMMITTED if commit else TransactionEnd.ABORTED
+        try:
+            if commit and manager.has_abortable_error():
+                end = TransactionEnd.ABORTED
+            result = (
+                manager.begin_commit() if end is TransactionEnd.COMMITTED else manager.begin_abort()
+            )
+            producer._sender.wakeup()
+            if not result.wait(timeout_ms=self._config.request_timeout_ms):
+                log.warning("no answer to the transaction's %s in time", end.value)
+                end = TransactionEnd.UNKNOWN
+        except kafka_errors.KafkaError as exc:
+            if _fenced(producer):
+                end = TransactionEnd.FENCED
+            elif end is TransactionEnd.COMMITTED and manager.has_abortable_error():
+                log.warning("the transaction's commit failed (%s); aborting it", exc)
+                return self.end_transaction(commit=False)
+            else:
+                log.warning("the transaction's %s failed: %s", end.value, exc)
+                end = TransactionEnd.UNKNOWN
+        if end in (TransactionEnd.UNKNOWN, TransactionEnd.FENCED):
+            self.discard_producer()
+        return end
 
     def partition_count(self, topic: str) -> int:
         """Look the topic up (creating it where allowed); ``TopicMissing`` if it does not exist.
@@ -375,6 +452,7 @@ class KafkaSink:
         """
         producer, self._producer = self._producer, None
         self._guard = None
+        self._transactional_id = None
         if producer is None:
             return
         sender = getattr(producer, "_sender", None)
@@ -390,5 +468,12 @@ class KafkaSink:
         """Close the producer, letting it finish what it already holds."""
         producer, self._producer = self._producer, None
         self._guard = None
+        self._transactional_id = None
         if producer is not None:
             producer.close(timeout=self._config.request_timeout_ms / 1000)
+
+
+def _fenced(producer: Any) -> bool:
+    """Whether this producer session was fenced by another with its transactional.id."""
+    manager = getattr(producer, "_transaction_manager", None)
+    return manager is not None and isinstance(manager.last_error, FENCING_ERRORS)

@@ -110,6 +110,9 @@ class UncertainMessage:
     #: Whether the grace after its write deadline has passed: only then is
     #: its record's absence proof (see ``Reconciler``).
     absence_due: bool = True
+    #: The transactional.id its batch was sent under (transactional delivery):
+    #: fenced before the log is read, read_committed. ``None``: idempotent.
+    transactional_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,14 +265,19 @@ class PublisherStore:
         return Batch(id=rows[0][10], messages=messages, claimed_at=rows[0][11])
 
     def mark_sending(
-        self, batch: Batch, partition_counts: Mapping[str, int], longest_send_seconds: float
+        self,
+        batch: Batch,
+        partition_counts: Mapping[str, int],
+        longest_send_seconds: float,
+        transactional_id: str | None = None,
     ) -> set[uuid.UUID]:
         """Record, before anything is sent, that the batch begins sending.
 
         Returns the ids of the batch's messages this publisher still holds;
         only those may be sent. The record says how partitions were chosen,
-        which offsets were confirmed before, and when the producer will have
-        given up on every record.
+        which offsets were confirmed before, when the producer will have
+        given up on every record, and (transactional delivery) the
+        transactional.id the records are sent under.
         """
         with self.conn.transaction():
             self.conn.execute(query("lock_batch"), {"batch_id": batch.id})
@@ -279,6 +287,7 @@ class PublisherStore:
                     "batch_id": batch.id,
                     "owner": self.publisher_id,
                     "longest_send_seconds": float(longest_send_seconds),
+                    "transactional_id": transactional_id,
                     "partition_counts": Jsonb(dict(partition_counts)),
                     "topics": sorted(partition_counts),
                 },

@@ -22,6 +22,7 @@ from outbox.ids import new_message_id
 from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.loop import HAND_OVER_CLOSED, Publisher
+from publisher.outcomes import TransactionEnd
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
 from publisher.sink import (
@@ -56,6 +57,8 @@ class FakeStore(PublisherStore):
         self.lost_before_sending: set[uuid.UUID] = set()
         #: What the next recovery pass moves.
         self.recovered: list[Recovered] = []
+        #: The transactional.id each mark_sending recorded.
+        self.transactional_ids: list[str | None] = []
         #: The write deadline (seconds after the mark) each mark_sending was given.
         self.write_deadlines: list[float] = []
 
@@ -98,10 +101,15 @@ class FakeStore(PublisherStore):
         return {s.message_id for s in settlements} - self.stale_ids
 
     def mark_sending(
-        self, batch: Batch, partition_counts: Mapping[str, int], longest_send_seconds: float
+        self,
+        batch: Batch,
+        partition_counts: Mapping[str, int],
+        longest_send_seconds: float,
+        transactional_id: str | None = None,
     ) -> set[uuid.UUID]:
         """Record the mark; every message is still held except those declared lost."""
         self.events.append("mark_sending")
+        self.transactional_ids.append(transactional_id)
         self.write_deadlines.append(longest_send_seconds)
         return {m.id for m in batch.messages} - self.lost_before_sending
 
@@ -186,6 +194,23 @@ class FakeSink:
     def discard_producer(self) -> None:
         """Record the discard."""
         self.events.append("discard_producer")
+
+    #: How the next transaction ends when committed (transactional tests set it).
+    commit_ends = TransactionEnd.COMMITTED
+
+    @property
+    def transactional_id(self) -> str | None:
+        """A session id once a transaction was begun."""
+        return "outbox-test-1" if "begin" in self.events else None
+
+    def begin_transaction(self) -> None:
+        """Record the begin."""
+        self.events.append("begin")
+
+    def end_transaction(self, *, commit: bool) -> TransactionEnd:
+        """Record the commit or abort; a commit ends as ``commit_ends`` says."""
+        self.events.append("commit" if commit else "abort")
+        return self.commit_ends if commit else TransactionEnd.ABORTED
 
     def close(self) -> None:
         """Record the close."""
@@ -685,3 +710,93 @@ def test_the_loop_holds_a_batch_from_its_claim_to_its_settle() -> None:
         publisher._release_claimed_ahead()
     assert seen == [[1, 2], [2]]
     assert publisher.held_batches() == []
+
+
+# --- transactional delivery ---------------------------------------------------
+
+TRANSACTIONAL = replace(CONFIG, delivery="transactional")
+
+
+def _transactional(*messages: ClaimedMessage) -> tuple[list[str], FakeStore, FakeSink, Publisher]:
+    events: list[str] = []
+    store = FakeStore(events, [_batch(*messages)])
+    sink = FakeSink(events)
+    return events, store, sink, _publisher(store, sink, TRANSACTIONAL)
+
+
+def test_a_transactional_batch_is_delivered_only_once_its_transaction_committed() -> None:
+    """Begin before the mark (which records the session), send, commit, then settle delivered."""
+    first, second = _message(key=b"a"), _message(key=b"b")
+    events, store, _sink, publisher = _transactional(first, second)
+
+    publisher.run_once()
+
+    assert [e for e in events if e in ("begin", "mark_sending", "send", "commit", "settle")] == [
+        "begin",
+        "mark_sending",
+        "send",
+        "commit",
+        "settle",
+    ]
+    assert store.transactional_ids == ["outbox-test-1"]
+    [settled] = store.settled
+    assert [s.state for s in settled] == [State.DELIVERED, State.DELIVERED]
+
+
+def test_a_record_that_failed_aborts_its_transaction_and_sends_the_rest_again() -> None:
+    """One record unanswered: abort; it is not written (a failure), the confirmed one unsent."""
+    failed, confirmed = _message(key=b"a"), _message(key=b"b")
+    events, store, sink, publisher = _transactional(failed, confirmed)
+    sink.reports = {
+        failed.id: SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True)
+    }
+
+    publisher.run_once()
+
+    assert "abort" in events
+    assert "commit" not in events
+    by_id = {s.message_id: s for s in store.settled[0]}
+    assert by_id[failed.id].state is State.PENDING
+    assert by_id[failed.id].counts_as_failure
+    assert by_id[confirmed.id].state is State.PENDING
+    assert by_id[confirmed.id].attempt_outcome == "abandoned"
+    assert not by_id[confirmed.id].counts_as_failure
+    assert by_id[confirmed.id].send_began
+    assert "its transaction was aborted" in (by_id[confirmed.id].error or "")
+
+
+def test_a_commit_whose_answer_was_lost_leaves_every_record_uncertain() -> None:
+    """Commit unanswered: the confirmed records may or may not be committed, so uncertain."""
+    first, second = _message(key=b"a"), _message(key=b"b")
+    _events, store, sink, publisher = _transactional(first, second)
+    sink.commit_ends = TransactionEnd.UNKNOWN
+
+    publisher.run_once()
+
+    assert [s.state for s in store.settled[0]] == [State.UNCERTAIN, State.UNCERTAIN]
+
+
+def test_a_fenced_session_records_nothing_of_its_batch() -> None:
+    """Fenced at the commit (a successor took the transactional.id over): no settle at all."""
+    message = _message()
+    events, store, sink, publisher = _transactional(message)
+    sink.commit_ends = TransactionEnd.FENCED
+
+    publisher.run_once()
+
+    assert store.settled == []
+    assert "settle" not in events
+    assert publisher.totals.stale == 1
+
+
+def test_a_record_refused_as_fenced_ends_the_batch_unrecorded() -> None:
+    """A produce answered ProducerFenced: the session is dropped, nothing committed or settled."""
+    message = _message()
+    events, store, sink, publisher = _transactional(message)
+    sink.reports = {message.id: SendReport(None, None, kafka_errors.ProducerFencedError(), True)}
+
+    publisher.run_once()
+
+    assert "discard_producer" in events
+    assert "commit" not in events
+    assert store.settled == []

@@ -13,7 +13,15 @@ import pytest
 from kafka import errors as kafka_errors
 
 from outbox.states import State
-from publisher.outcomes import ATTEMPT_OUTCOME, NEXT_STATE, SendOutcome, classify, retry_delay
+from publisher.outcomes import (
+    ATTEMPT_OUTCOME,
+    NEXT_STATE,
+    SendOutcome,
+    TransactionEnd,
+    after_transaction,
+    classify,
+    retry_delay,
+)
 
 #: Errors that say the content itself is unacceptable (design brief: quarantine with the reason).
 CONTENT_ERRORS: tuple[type[Exception], ...] = (
@@ -214,3 +222,23 @@ def test_retry_delay_before_the_first_attempt_is_bounded_by_the_base(attempt: in
     delays = [retry_delay(attempt, base_seconds=0.5, rng=rng) for _ in range(200)]
     assert max(delays) <= 0.5
     assert max(delays) > 0.25
+
+
+@pytest.mark.parametrize(
+    ("outcome", "end", "expected"),
+    [
+        (SendOutcome.CONFIRMED, TransactionEnd.COMMITTED, SendOutcome.CONFIRMED),
+        (SendOutcome.CONFIRMED, TransactionEnd.ABORTED, SendOutcome.NOT_WRITTEN),
+        (SendOutcome.UNCERTAIN, TransactionEnd.ABORTED, SendOutcome.NOT_WRITTEN),
+        (SendOutcome.NON_RETRIABLE, TransactionEnd.ABORTED, SendOutcome.NON_RETRIABLE),
+        (SendOutcome.NOT_WRITTEN, TransactionEnd.ABORTED, SendOutcome.NOT_WRITTEN),
+        (SendOutcome.CONFIRMED, TransactionEnd.UNKNOWN, SendOutcome.UNCERTAIN),
+        (SendOutcome.UNCERTAIN, TransactionEnd.UNKNOWN, SendOutcome.UNCERTAIN),
+        (SendOutcome.NON_RETRIABLE, TransactionEnd.UNKNOWN, SendOutcome.NON_RETRIABLE),
+    ],
+)
+def test_a_records_outcome_after_its_transaction_ended(
+    outcome: SendOutcome, end: TransactionEnd, expected: SendOutcome
+) -> None:
+    """Aborted: nothing visible was written; unknown: a confirmation proves nothing yet."""
+    assert after_transaction(outcome, end) is expected
