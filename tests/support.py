@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -343,6 +343,26 @@ def send_record(
         )
         producer.flush(timeout=30)
         return int(future.get(timeout=30).offset)
+    finally:
+        producer.close()
+
+
+def send_raw(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    records: Sequence[tuple[bytes | None, list[tuple[str, bytes]]]],
+) -> list[int]:
+    """Write records with exactly these keys and headers, as another producer would; return
+    their offsets."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        futures = [
+            producer.send(topic, value=b"foreign", key=key, partition=partition, headers=headers)
+            for key, headers in records
+        ]
+        producer.flush(timeout=30)
+        return [int(f.get(timeout=30).offset) for f in futures]
     finally:
         producer.close()
 

@@ -25,6 +25,7 @@ from tests.support import (
     make_uncertain,
     publish_until_idle,
     read_topic,
+    send_raw,
     send_record,
 )
 
@@ -507,3 +508,62 @@ def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sen
     report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
     assert report.delivered == [message_id]
     assert _message(database_url, message_id)[:3] == ("delivered", moved, offset)
+
+
+#: ``outbox-id`` headers that carry no message id, as other producers may write them.
+FOREIGN_ID_HEADERS: list[list[tuple[str, bytes]]] = [
+    [("outbox-id", b"\xff\xfe\x80")],  # not UTF-8
+    [("outbox-id", b"not-a-uuid")],
+    [("outbox-id", b"")],
+    [("outbox-id", str(uuid.uuid4()).upper().encode())],  # a UUID, not as the publisher writes it
+    [("outbox-id", str(uuid.uuid4()).encode()), ("outbox-id", b"\x80")],  # repeated
+    [("outbox-id", str(uuid.uuid4()).encode())],  # well formed, but no message of this outbox
+]
+
+
+def test_records_with_foreign_or_undecodable_id_headers_do_not_stop_a_pass(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """Records of the messages' keys whose outbox-id is not a message id (undecodable, not a
+    UUID, empty, repeated) are skipped: the pass still finds one message and proves the
+    other absent."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    with psycopg.connect(database_url) as conn:
+        found, absent = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("found", "absent"))
+    assert make_uncertain(database_url, partitions=1) == {found: 0, absent: 0}
+    foreign = [
+        (key, headers) for key in (b"found", b"absent", None) for headers in FOREIGN_ID_HEADERS
+    ]
+    send_raw(kafka_bootstrap, topic, 0, foreign)
+    offset = send_record(kafka_bootstrap, topic, 0, found, key=b"found")
+    send_raw(kafka_bootstrap, topic, 0, foreign)
+
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+
+    assert (report.delivered, report.pending, report.escalated) == ([found], [absent], [])
+    assert _message(database_url, found)[:3] == ("delivered", 0, offset)
+    assert _message(database_url, absent)[0] == "pending"
+
+
+def test_a_record_whose_outbox_id_header_has_no_value_does_not_stop_a_pass(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A record of the message's key with a null outbox-id value (kafka-python's producer
+    cannot write one; librdkafka can) is skipped, and the message is found after it."""
+    ck = pytest.importorskip("confluent_kafka", reason="the confluent extra is not installed")
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, topic, b"v", key="k")
+    assert make_uncertain(database_url, partitions=1) == {message_id: 0}
+    producer = ck.Producer({"bootstrap.servers": kafka_bootstrap, "acks": "all"})
+    producer.produce(topic, value=b"foreign", key=b"k", partition=0, headers=[("outbox-id", None)])
+    assert producer.flush(30) == 0
+    offset = send_record(kafka_bootstrap, topic, 0, message_id, key=b"k")
+    assert offset == 1  # the valueless record is before it
+
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+
+    assert report.delivered == [message_id]
+    assert _message(database_url, message_id)[:3] == ("delivered", 0, offset)
