@@ -425,6 +425,12 @@ SELECT extract(epoch FROM least(
             WHERE state = 'uncertain' AND escalated_at IS NULL)
        ) - clock_timestamp())::float8
 
+-- name: pin_read_committed
+-- Every transaction of the session, implicit (autocommit) or begun, runs at
+-- READ COMMITTED whatever default_transaction_isolation the server, database
+-- or role sets (see publisher/connector.py).
+SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED
+
 -- name: register_publisher
 INSERT INTO outbox.publishers (id, host, pid, version)
 VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)
