@@ -38,6 +38,9 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- claimable too (pending and due): an earlier one in flight, uncertain,
 -- quarantined or waiting out a retry holds its key back, and only its key.
 -- SKIP LOCKED lets publishers claim side by side; every claim raises the fence.
+-- A claim clears the partition and offset an earlier attempt stored: this
+-- attempt's partition is chosen afresh (the topic may have grown since), and a
+-- stale one would send the reconciler to look for its record in the wrong place.
 -- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
 -- a bound on the candidates: only the oldest few pending messages are looked
 -- at, so a claim-ahead whose keys are all in flight gives up after a few
@@ -80,6 +83,8 @@ WITH mine AS (
         fence = m.fence + 1,
         attempts = m.attempts + 1,
         batch_id = (SELECT id FROM batch),
+        kafka_partition = NULL,
+        kafka_offset = NULL,
         updated_at = now()
     -- An id list, not a join: the planner then looks each row up by its key
     -- instead of hashing the whole table.
@@ -434,6 +439,12 @@ SELECT extract(epoch FROM least(
            (SELECT min(available_at) FROM outbox.messages
             WHERE state = 'uncertain' AND escalated_at IS NULL)
        ) - clock_timestamp())::float8
+
+-- name: pin_read_committed
+-- Every transaction of the session, implicit (autocommit) or begun, runs at
+-- READ COMMITTED whatever default_transaction_isolation the server, database
+-- or role sets (see publisher/connector.py).
+SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED
 
 -- name: register_publisher
 INSERT INTO outbox.publishers (id, host, pid, version)

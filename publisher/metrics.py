@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from outbox.retention import PurgeReport
 from outbox.states import OPEN_STATES, State
 from outbox.status import read_open_status
+from publisher.connector import connect
 from publisher.health import Health
 
 log = logging.getLogger(__name__)
@@ -342,7 +343,7 @@ class StatusReader:
         if self._closed:
             raise psycopg.OperationalError("the publisher has stopped")
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(
+            self._conn = connect(
                 self._conninfo,
                 autocommit=True,
                 connect_timeout=self._timeout,

@@ -26,7 +26,6 @@ Every decision is written to ``outbox.decisions`` with its evidence.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 from collections import defaultdict
@@ -88,6 +87,8 @@ class Reconciler:
         self.absence_grace = absence_grace
         #: Called after each partition is decided: a long pass is not a stuck loop.
         self.progress: Callable[[], None] = lambda: None
+        #: Partitions already reported to hold foreign ``outbox-id`` headers.
+        self._foreign_seen: set[tuple[str, int]] = set()
 
     def run_once(self) -> ReconcileReport:
         """Decide every due uncertain message (up to ``limit``) and record the decisions."""
@@ -218,6 +219,16 @@ class Reconciler:
             # Retention deleted part of the range while it was read: what the
             # scan found still counts; a record it did not find proves nothing.
             scan, lost = exc.scan, exc
+        if scan.foreign_ids and (topic, partition) not in self._foreign_seen:
+            # Once per partition: another producer's records recur at every pass.
+            self._foreign_seen.add((topic, partition))
+            log.warning(
+                "%s[%d]: skipped %d record(s) whose outbox-id header holds no message id: "
+                "another producer writes that header to this topic",
+                topic,
+                partition,
+                scan.foreign_ids,
+            )
         for m in messages:
             evidence: dict[str, object] = {
                 "topic": topic,
@@ -331,10 +342,9 @@ class Reconciler:
         """
         if message.key is None:
             return None
-        ids = []
-        for text in scan.by_key.get(message.key, set()) - {str(message.id)}:
-            with contextlib.suppress(ValueError):  # another producer's header, not an id
-                ids.append(uuid.UUID(text))
+        # Message ids only (the scan skips other values); ids of no message
+        # of this outbox are not later ones of its key.
+        ids = [uuid.UUID(text) for text in scan.by_key.get(message.key, set()) - {str(message.id)}]
         later = self.store.later_of_key(message.id, ids)
         if not later:
             return None

@@ -17,6 +17,7 @@ from datetime import timedelta
 import psycopg
 
 from outbox.retention import DEFAULT_BATCH_SIZE, PurgeBusy, PurgeReport, purge
+from publisher.connector import connect
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RetentionRunner:
     def run_once(self) -> PurgeReport | None:
         """One purge now; None when another purge was running or the database failed."""
         try:
-            with psycopg.connect(self._conninfo) as conn:
+            with connect(self._conninfo) as conn:
                 report = purge(
                     conn,
                     delivered_older_than=self._delivered_older_than,

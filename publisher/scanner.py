@@ -8,8 +8,9 @@ from the middle of this topic?" (compaction).
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,6 +19,10 @@ from kafka import errors as kafka_errors
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from outbox.intent import ID_HEADER
+
+#: A message id as the publisher writes it into the ``outbox-id`` header
+#: (``str(uuid)``: lowercase hex and hyphens), matched on the raw bytes.
+_MESSAGE_ID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class ScanIncomplete(Exception):
@@ -30,10 +35,46 @@ class Scan:
 
     #: Offsets of the records whose ``outbox-id`` was wanted, by id.
     found: dict[str, list[int]] = field(default_factory=dict)
-    #: The ``outbox-id`` of every record (with one) whose key was wanted, by key.
+    #: The message id of every record (with one) whose key was wanted, by key.
     by_key: dict[bytes, set[str]] = field(default_factory=dict)
     #: How many records of each wanted key were read, with an ``outbox-id`` or not.
     key_records: dict[bytes, int] = field(default_factory=dict)
+    #: Records whose ``outbox-id`` holds no message id (not UTF-8, not a UUID as
+    #: the publisher writes one, empty, no value): another producer's, skipped.
+    foreign_ids: int = 0
+
+    def add(
+        self,
+        offset: int,
+        key: bytes | None,
+        headers: Iterable[tuple[str, bytes | None]],
+        wanted: Collection[bytes],
+        wanted_keys: Collection[bytes],
+    ) -> None:
+        """Take one record read into account: its id if ``wanted``, its key if wanted.
+
+        A record's id is its last ``outbox-id`` header, the one a consumer
+        reads: the publisher writes exactly one, after the message's own
+        headers (which may not use the name). Any other producer may write
+        anything there, so a value is checked as bytes and decoded only once
+        it is known to be an id: a foreign record never stops a scan.
+        """
+        value: bytes | None = None
+        has_id = False
+        for name, v in headers:
+            if name == ID_HEADER:
+                has_id, value = True, v
+        wanted_key = key if key is not None and key in wanted_keys else None
+        if has_id:
+            if value is None or _MESSAGE_ID.fullmatch(value) is None:
+                self.foreign_ids += 1
+            else:
+                if value in wanted:
+                    self.found.setdefault(value.decode(), []).append(offset)
+                if wanted_key is not None:
+                    self.by_key.setdefault(wanted_key, set()).add(value.decode())
+        if wanted_key is not None:
+            self.key_records[wanted_key] = self.key_records.get(wanted_key, 0) + 1
 
 
 class EvidenceLost(Exception):
@@ -73,8 +114,10 @@ class LogScanner(Protocol):
     ) -> Scan:
         """Read ``[start, end)`` once, for records of ``ids`` and the records of ``keys``.
 
-        Raises ``EvidenceLost`` when part of the range is deleted before it is
-        read, and ``ScanIncomplete`` when the end is not reached in time.
+        Records count as ``Scan.add`` counts them: one whose ``outbox-id``
+        holds no message id is skipped, never an error. Raises
+        ``EvidenceLost`` when part of the range is deleted before it is read,
+        and ``ScanIncomplete`` when the end is not reached in time.
         """
         ...
 
@@ -178,15 +221,7 @@ class KafkaLogScanner:
                 for record in records:
                     if record.offset >= end:
                         break
-                    for name, value in record.headers:
-                        if name != ID_HEADER:
-                            continue
-                        if value in wanted:
-                            scan.found.setdefault(value.decode(), []).append(record.offset)
-                        if record.key in wanted_keys:
-                            scan.by_key.setdefault(record.key, set()).add(value.decode())
-                    if record.key in wanted_keys:
-                        scan.key_records[record.key] = scan.key_records.get(record.key, 0) + 1
+                    scan.add(record.offset, record.key, record.headers or (), wanted, wanted_keys)
         return scan
 
     def cleanup_policy(self, topic: str) -> set[str] | None:

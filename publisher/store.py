@@ -22,6 +22,7 @@ from psycopg.types.json import Jsonb
 
 from outbox.queries import query
 from outbox.states import State
+from publisher.connector import connect
 
 
 # Not frozen: one is built per message, and a frozen dataclass's __init__
@@ -152,7 +153,7 @@ class PublisherStore:
         for a plan that runs in a few milliseconds.
         """
         if self._conn is None or self._conn.closed:
-            conn = psycopg.connect(
+            conn = connect(
                 self.conninfo,
                 autocommit=True,
                 row_factory=tuple_row,

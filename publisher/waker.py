@@ -15,6 +15,8 @@ import threading
 
 import psycopg
 
+from publisher.connector import connect
+
 log = logging.getLogger(__name__)
 
 CHANNEL = "outbox_pending"
@@ -61,7 +63,7 @@ class Waker:
         delay = self._reconnect_delay
         while not self._stopping.is_set():
             try:
-                with psycopg.connect(
+                with connect(
                     self._conninfo,
                     autocommit=True,
                     application_name="outbox-publisher listener",

@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import NewTopic
+from kafka.admin import NewPartitions, NewTopic
 
 from outbox.states import State
 from publisher.cli import build_publisher
@@ -80,6 +80,27 @@ def create_topic(
     try:
         wait_until(
             lambda: consumer.partitions_for_topic(name), timeout=30, what=f"topic {name} metadata"
+        )
+    finally:
+        consumer.close()
+
+
+def grow_topic(bootstrap: str, name: str, partitions: int) -> None:
+    """Give ``name`` ``partitions`` partitions in all; wait until the broker lists them."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        admin.create_partitions({name: NewPartitions(total_count=partitions)})
+    finally:
+        admin.close()
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        wait_until(
+            lambda: (
+                consumer.topics()  # refreshes the metadata
+                and len(consumer.partitions_for_topic(name) or ()) == partitions
+            ),
+            timeout=30,
+            what=f"topic {name} with {partitions} partitions",
         )
     finally:
         consumer.close()
@@ -322,6 +343,26 @@ def send_record(
         )
         producer.flush(timeout=30)
         return int(future.get(timeout=30).offset)
+    finally:
+        producer.close()
+
+
+def send_raw(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    records: Sequence[tuple[bytes | None, list[tuple[str, bytes]]]],
+) -> list[int]:
+    """Write records with exactly these keys and headers, as another producer would; return
+    their offsets."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        futures = [
+            producer.send(topic, value=b"foreign", key=key, partition=partition, headers=headers)
+            for key, headers in records
+        ]
+        producer.flush(timeout=30)
+        return [int(f.get(timeout=30).offset) for f in futures]
     finally:
         producer.close()
 

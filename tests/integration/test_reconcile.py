@@ -21,9 +21,11 @@ from tests.support import (
     create_topic,
     delete_topic,
     fetch_rows,
+    grow_topic,
     make_uncertain,
     publish_until_idle,
     read_topic,
+    send_raw,
     send_record,
 )
 
@@ -460,3 +462,108 @@ def test_absence_is_proof_only_after_the_grace_but_a_record_found_is_delivered_a
     assert _message(database_url, present)[:3] == ("delivered", partitions[present], at)
     assert after.pending == [absent]
     assert [d[0] for d in _decisions(database_url)] == [present, absent]
+
+
+def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sent(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """The claim clears the partition an earlier attempt stored: once the topic has grown,
+    the retry that becomes uncertain is looked for (and found) in the partition it went to."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    # A key that leaves partition 0 when the topic grows to three partitions.
+    # (A keyed record's partition does not depend on its id.)
+    key = next(k for k in (b"k%d" % i for i in range(100)) if partition_for(k, uuid.uuid4(), 3))
+    moved = partition_for(key, uuid.uuid4(), 3)
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, topic, b"v", key=key)
+    # The first attempt, on one partition, is uncertain and then proven absent:
+    # back to pending, with partition 0 stored.
+    assert make_uncertain(database_url, partitions=1) == {message_id: 0}
+    assert _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap)).pending == [message_id]
+    assert _message(database_url, message_id)[:3] == ("pending", 0, None)
+    grow_topic(kafka_bootstrap, topic, 3)
+
+    store = claiming_store(database_url)
+    try:
+        batch = store.claim(10, lease_seconds=30)
+        assert batch is not None
+        assert [m.id for m in batch.messages] == [message_id]
+        assert _message(database_url, message_id)[:3] == ("in_flight", None, None)
+        assert store.mark_sending(batch, {topic: 3}, longest_send_seconds=0.0) == {message_id}
+        offset = send_record(kafka_bootstrap, topic, moved, message_id, key=key)
+        # The publisher dies before it settles: its lease expires, and recovery
+        # makes the message uncertain from the batch's evidence alone.
+        with psycopg.connect(database_url) as conn:
+            conn.execute(
+                "UPDATE outbox.messages SET lease_expires_at = now() - interval '1 second' "
+                "WHERE id = %s",
+                (message_id,),
+            )
+        assert [r.state for r in store.recover_expired_leases()] == [State.UNCERTAIN]
+    finally:
+        store.close()
+    assert _message(database_url, message_id)[:3] == ("uncertain", None, None)
+
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+    assert report.delivered == [message_id]
+    assert _message(database_url, message_id)[:3] == ("delivered", moved, offset)
+
+
+#: ``outbox-id`` headers that carry no message id, as other producers may write them.
+FOREIGN_ID_HEADERS: list[list[tuple[str, bytes]]] = [
+    [("outbox-id", b"\xff\xfe\x80")],  # not UTF-8
+    [("outbox-id", b"not-a-uuid")],
+    [("outbox-id", b"")],
+    [("outbox-id", str(uuid.uuid4()).upper().encode())],  # a UUID, not as the publisher writes it
+    [("outbox-id", str(uuid.uuid4()).encode()), ("outbox-id", b"\x80")],  # repeated
+    [("outbox-id", str(uuid.uuid4()).encode())],  # well formed, but no message of this outbox
+]
+
+
+def test_records_with_foreign_or_undecodable_id_headers_do_not_stop_a_pass(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """Records of the messages' keys whose outbox-id is not a message id (undecodable, not a
+    UUID, empty, repeated) are skipped: the pass still finds one message and proves the
+    other absent."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    with psycopg.connect(database_url) as conn:
+        found, absent = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("found", "absent"))
+    assert make_uncertain(database_url, partitions=1) == {found: 0, absent: 0}
+    foreign = [
+        (key, headers) for key in (b"found", b"absent", None) for headers in FOREIGN_ID_HEADERS
+    ]
+    send_raw(kafka_bootstrap, topic, 0, foreign)
+    offset = send_record(kafka_bootstrap, topic, 0, found, key=b"found")
+    send_raw(kafka_bootstrap, topic, 0, foreign)
+
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+
+    assert (report.delivered, report.pending, report.escalated) == ([found], [absent], [])
+    assert _message(database_url, found)[:3] == ("delivered", 0, offset)
+    assert _message(database_url, absent)[0] == "pending"
+
+
+def test_a_record_whose_outbox_id_header_has_no_value_does_not_stop_a_pass(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A record of the message's key with a null outbox-id value (kafka-python's producer
+    cannot write one; librdkafka can) is skipped, and the message is found after it."""
+    ck = pytest.importorskip("confluent_kafka", reason="the confluent extra is not installed")
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, topic, b"v", key="k")
+    assert make_uncertain(database_url, partitions=1) == {message_id: 0}
+    producer = ck.Producer({"bootstrap.servers": kafka_bootstrap, "acks": "all"})
+    producer.produce(topic, value=b"foreign", key=b"k", partition=0, headers=[("outbox-id", None)])
+    assert producer.flush(30) == 0
+    offset = send_record(kafka_bootstrap, topic, 0, message_id, key=b"k")
+    assert offset == 1  # the valueless record is before it
+
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+
+    assert report.delivered == [message_id]
+    assert _message(database_url, message_id)[:3] == ("delivered", 0, offset)

@@ -27,6 +27,7 @@ USED_NAMES = [
     "resolve_message",
     "work_left",
     "seconds_until_due",
+    "pin_read_committed",
     "register_publisher",
     "heartbeat",
     "stop_publisher",

@@ -7,9 +7,11 @@ where neither compaction nor a later message of its key can explain it.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Collection, Sequence
-from typing import Any
+
+import pytest
 
 from publisher.reconciler import Reconciler
 from publisher.scanner import EvidenceLost, Scan
@@ -39,18 +41,28 @@ class FakeStore(PublisherStore):
         return {d.message_id for d in decisions}
 
 
+#: A scripted record: its offset, key and headers, as kafka-python reads them.
+Record = tuple[int, bytes | None, list[tuple[str, bytes | None]]]
+
+
 class FakeScanner:
-    """A one-partition log: its offsets, what a scan finds, and the topic's cleanup policy."""
+    """A one-partition log: its offsets, what a scan finds, and the topic's cleanup policy.
+
+    What a scan finds is either given as it is (``scan``) or read from
+    scripted ``records``, each counted as the real scanner counts it.
+    """
 
     def __init__(
         self,
-        scan: Scan,
+        scan: Scan | None = None,
         *,
+        records: Sequence[Record] = (),
         log: tuple[int, int] = (0, 10),
         policy: set[str] | None = None,
         lost_from: int | None = None,
     ) -> None:
         self.scan = scan
+        self.records = records
         self.log = log
         self.policy = policy
         #: Retention cuts the log to this start while the scan reads it.
@@ -65,11 +77,28 @@ class FakeScanner:
         """The scripted log start and end."""
         return self.log
 
-    def find(self, *args: Any, **kwargs: Any) -> Scan:
-        """The scripted scan, or the evidence lost under it."""
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+    ) -> Scan:
+        """The scripted scan (or the scripted records' of ``[start, end)``), or the
+        evidence lost under it."""
+        scan = self.scan
+        if scan is None:
+            scan = Scan()
+            wanted = {i.encode() for i in ids}
+            for offset, key, headers in self.records:
+                if start <= offset < end:
+                    scan.add(offset, key, headers, wanted, set(keys))
         if self.lost_from is not None:
-            raise EvidenceLost("offsets were deleted", self.scan, self.lost_from)
-        return self.scan
+            raise EvidenceLost("offsets were deleted", scan, self.lost_from)
+        return scan
 
     def cleanup_policy(self, topic: str) -> set[str] | None:
         """The scripted policy."""
@@ -157,7 +186,13 @@ def test_a_later_message_of_its_key_in_the_log_escalates_and_a_foreign_header_is
     outbox id (another producer's) changes nothing."""
     message = _uncertain()
     later = uuid.uuid4()
-    scanner = FakeScanner(Scan(by_key={b"k": {str(later), "not-an-id"}}), policy={"delete"})
+    scanner = FakeScanner(
+        records=[
+            (1, b"k", [("outbox-id", str(later).encode())]),
+            (2, b"k", [("outbox-id", b"not-an-id")]),
+        ],
+        policy={"delete"},
+    )
 
     assert _decide(scanner, message, later={later}) == {message.id: "escalated"}
     assert _decide(scanner, message) == {message.id: "pending"}
@@ -182,3 +217,67 @@ def test_each_partition_decided_counts_as_progress() -> None:
     reconciler.run_once()
 
     assert turns == [1]
+
+
+#: ``outbox-id`` headers that hold no message id, as another producer may write them.
+FOREIGN_ID_HEADERS: list[list[tuple[str, bytes | None]]] = [
+    [("outbox-id", b"\xff\xfe\x80")],  # not UTF-8
+    [("outbox-id", b"not-a-uuid")],
+    [("outbox-id", b"")],
+    [("outbox-id", None)],  # a header without a value
+    [("outbox-id", str(uuid.uuid4()).upper().encode())],  # a UUID, not as the publisher writes it
+    [("outbox-id", str(uuid.uuid4()).encode()), ("outbox-id", b"\x80")],  # repeated
+]
+
+
+def test_records_whose_outbox_id_holds_no_message_id_are_skipped() -> None:
+    """Records of the messages' keys with an undecodable, empty, valueless or repeated
+    outbox-id stop nothing: one message is found among them, the other proven absent."""
+    found, absent = _uncertain(key=b"f"), _uncertain(key=b"a")
+    foreign: list[Record] = [
+        (offset, key, headers)
+        for offset, (key, headers) in enumerate(
+            (key, headers) for key in (b"f", b"a", None) for headers in FOREIGN_ID_HEADERS
+        )
+    ]
+    own: Record = (len(foreign), b"f", [("outbox-id", str(found.id).encode())])
+    scanner = FakeScanner(records=[*foreign, own], log=(0, len(foreign) + 1), policy={"delete"})
+    store = FakeStore([found, absent])
+
+    report = Reconciler(store, scanner, "test").run_once()
+
+    assert (report.delivered, report.pending, report.escalated) == ([found.id], [absent.id], [])
+
+
+def test_a_record_s_id_is_its_last_outbox_id_header() -> None:
+    """As a consumer reads it: a record whose last outbox-id is the message's id is its
+    record; one whose last outbox-id is another value is not."""
+    message = _uncertain()
+    own = str(message.id).encode()
+    last = FakeScanner(records=[(3, b"k", [("outbox-id", b"\x80"), ("outbox-id", own)])])
+    earlier = FakeScanner(
+        records=[(3, b"k", [("outbox-id", own), ("outbox-id", b"\x80")])], policy={"delete"}
+    )
+
+    assert _decide(last, message) == {message.id: "delivered"}
+    assert _decide(earlier, message) == {message.id: "pending"}
+
+
+def test_foreign_id_headers_are_reported_once_per_partition(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another producer's outbox-id headers are logged as a warning at the first pass that
+    reads them, not again at every pass."""
+    message = _uncertain(absence_due=False)  # left for later passes
+    scanner = FakeScanner(records=[(0, None, [("outbox-id", b"junk")])])
+    reconciler = Reconciler(FakeStore([message]), scanner, "test")
+
+    with caplog.at_level(logging.WARNING, logger="publisher.reconciler"):
+        reconciler.run_once()
+        reconciler.run_once()
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "orders[0]: skipped 1 record(s) whose outbox-id header holds no message id: "
+        "another producer writes that header to this topic"
+    ]
