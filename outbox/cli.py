@@ -290,6 +290,7 @@ def _reconcile(args: argparse.Namespace) -> int:
     if not args.kafka_bootstrap:
         raise OutboxError("no Kafka: pass --kafka-bootstrap or set OUTBOX_KAFKA_BOOTSTRAP")
     # The reconciler reads Kafka, which is the publisher's side of the package.
+    from publisher.fencing import KafkaFencer  # noqa: PLC0415
     from publisher.reconciler import Reconciler  # noqa: PLC0415
     from publisher.scanner import KafkaLogScanner  # noqa: PLC0415
     from publisher.store import PublisherStore  # noqa: PLC0415
@@ -308,6 +309,7 @@ def _reconcile(args: argparse.Namespace) -> int:
             scanner,
             f"{operator_name()} (outbox reconcile)",
             absence_grace=args.absence_grace,
+            fencer=KafkaFencer(args.kafka_bootstrap),
         )
         while True:
             report = reconciler.run_once()

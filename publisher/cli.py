@@ -33,6 +33,7 @@ from publisher.config import (
 )
 from publisher.endpoints import EndpointServer
 from publisher.faults import Faults, FaultSpecError
+from publisher.fencing import KafkaFencer
 from publisher.health import KafkaClusterCheck
 from publisher.logs import configure_logging
 from publisher.loop import Publisher
@@ -124,6 +125,7 @@ def build_publisher(
             KafkaLogScanner(config.kafka_bootstrap),
             f"reconciler {publisher_id}",
             absence_grace=config.absence_grace,
+            fencer=KafkaFencer(config.kafka_bootstrap, timeout_ms=config.max_block_ms),
         )
     publisher = Publisher(
         config,

@@ -21,6 +21,15 @@ the partition's end, looking for the message id in the ``outbox-id`` header:
   topic deleted and created again); and when the record is missing from a
   compacted topic, which removes records from the middle of its log.
 
+A message sent in a Kafka transaction (``--delivery transactional``) is
+decided without waiting for a write deadline or a grace: first the
+transactional.id its batch was sent under is fenced (``publisher.fencing``),
+so that session's open transaction is aborted or its commit completed and it
+can write nothing more; then the partition is read read_committed, once no
+transaction is open below the end offset seen after the fence. Found:
+``delivered``; absent: never committed, ``pending``. A session that cannot be
+fenced now (the broker is away) leaves its messages uncertain for a later pass.
+
 Every decision is written to ``outbox.decisions`` with its evidence.
 """
 
@@ -33,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from outbox.states import State
+from publisher.fencing import Fencer
 from publisher.logs import MessageLog
 from publisher.partitioning import partition_for
 from publisher.scanner import EvidenceLost, LogScanner, Scan, ScanIncomplete
@@ -79,9 +89,15 @@ class Reconciler:
         *,
         limit: int = 1000,
         absence_grace: float = DEFAULT_ABSENCE_GRACE,
+        fencer: Fencer | None = None,
     ) -> None:
         self.store = store
         self.scanner = scanner
+        #: Fences transactional.ids before their batches are decided; without
+        #: one, messages sent in a transaction are left for a reconciler that has it.
+        self.fencer = fencer
+        #: Sessions fenced by this reconciler: fenced once, they stay fenced.
+        self._fenced: set[str] = set()
         self.decided_by = decided_by
         self.limit = limit
         self.absence_grace = absence_grace
@@ -94,6 +110,7 @@ class Reconciler:
         """Decide every due uncertain message (up to ``limit``) and record the decisions."""
         report = ReconcileReport()
         due = self.store.uncertain_due(self.limit, self.absence_grace)
+        due = self._fence(due, report)
         if not due:
             return report
         decisions: list[Decision] = []
@@ -156,21 +173,74 @@ class Reconciler:
             return policy[0]
 
         for partition, group in by_partition.items():
-            decisions.extend(
-                self._decide_partition(topic, partition, group, report, cleanup_policy)
-            )
+            # Records of fenced sessions are read committed; the others as written.
+            for committed in (False, True):
+                part = [m for m in group if (m.transactional_id is not None) is committed]
+                if part:
+                    decisions.extend(
+                        self._decide_partition(
+                            topic, partition, part, report, cleanup_policy, committed=committed
+                        )
+                    )
             self.progress()
         return decisions
 
-    def _decide_partition(
+    def _fence(
+        self, due: Sequence[UncertainMessage], report: ReconcileReport
+    ) -> list[UncertainMessage]:
+        """Fence the sessions the due messages were sent under; defer those it could not."""
+        unfenced: set[str] = set()
+        for transactional_id in sorted({m.transactional_id for m in due if m.transactional_id}):
+            if transactional_id in self._fenced:
+                continue
+            if self.fencer is None:
+                log.warning("cannot fence %s (no fencer): its messages wait", transactional_id)
+                unfenced.add(transactional_id)
+                continue
+            try:
+                self.fencer.fence(transactional_id)
+            except Exception as exc:  # noqa: BLE001 - retried next pass; nothing is decided
+                log.warning("could not fence %s, its messages wait: %s", transactional_id, exc)
+                unfenced.add(transactional_id)
+            else:
+                log.info("fenced producer session %s before deciding its batch", transactional_id)
+                self._fenced.add(transactional_id)
+        report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
+        return [m for m in due if m.transactional_id not in unfenced]
+
+    def _stable_below(self, topic: str, partition: int, end: int) -> bool:
+        """Whether no transaction is open below ``end``, so read_committed reads up to it.
+
+        The fenced sessions wrote below ``end`` (read after the fence): their
+        records are committed or aborted now. But read_committed reads only
+        below the last stable offset, which another publisher's open
+        transaction holds down until it ends.
+        """
+        _, stable = self.scanner.offset_range(topic, partition, committed=True)
+        if stable < end:
+            log.info(
+                "%s[%d]: a transaction is open below offset %d (stable up to %d); deciding later",
+                topic,
+                partition,
+                end,
+                stable,
+            )
+        return stable >= end
+
+    def _decide_partition(  # noqa: PLR0912 - one decision table, read top to bottom
         self,
         topic: str,
         partition: int,
         messages: Sequence[UncertainMessage],
         report: ReconcileReport,
         cleanup_policy: Callable[[], set[str] | None],
+        *,
+        committed: bool = False,
     ) -> list[Decision]:
         log_start, end = self.scanner.offset_range(topic, partition)
+        if committed and not self._stable_below(topic, partition, end):
+            report.deferred.extend(m.id for m in messages)
+            return []
         starts = {m.id: _scan_start(m, topic, partition) for m in messages}
         decisions: list[Decision] = []
         # The partition ends below an offset confirmed before the attempt: the
@@ -210,6 +280,7 @@ class Reconciler:
                 end,
                 [str(m.id) for m in messages],
                 keys={m.key for m in messages if m.key is not None},
+                committed=committed,
             )
         except ScanIncomplete as exc:
             log.warning("reconciliation deferred: %s", exc)

@@ -98,8 +98,14 @@ class LogScanner(Protocol):
         """How many partitions ``topic`` has; ``None`` if the topic does not exist."""
         ...
 
-    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
-        """The partition's log start offset and its end offset (next offset to be written)."""
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        """The partition's log start offset and its end offset (next offset to be written).
+
+        With ``committed``, the end is the last stable offset: below it, no
+        transaction is still open.
+        """
         ...
 
     def find(
@@ -111,8 +117,12 @@ class LogScanner(Protocol):
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        committed: bool = False,
     ) -> Scan:
         """Read ``[start, end)`` once, for records of ``ids`` and the records of ``keys``.
+
+        With ``committed``, only records of committed transactions (and of no
+        transaction) are read: read_committed.
 
         Records count as ``Scan.add`` counts them: one whose ``outbox-id``
         holds no message id is skipped, never an error. Raises
@@ -141,20 +151,25 @@ class KafkaLogScanner:
     def __init__(self, bootstrap_servers: str, *, timeout_seconds: float = 60.0) -> None:
         self._bootstrap_servers = bootstrap_servers
         self._timeout = timeout_seconds
-        self._open: KafkaConsumer | None = None
+        #: One consumer per isolation level (read_committed: True), opened on first use.
+        self._open: dict[bool, KafkaConsumer] = {}
         self._admin: KafkaAdminClient | None = None
 
     @property
     def _consumer(self) -> KafkaConsumer:
-        """The consumer, connected on first use.
+        return self._consumer_for(committed=False)
+
+    def _consumer_for(self, *, committed: bool) -> KafkaConsumer:
+        """The consumer of that isolation level, connected on first use.
 
         So a publisher starts while Kafka is away; its reconciliation passes
         are postponed until Kafka answers.
         """
-        if self._open is None:
-            self._open = KafkaConsumer(
+        if committed not in self._open:
+            self._open[committed] = KafkaConsumer(
                 bootstrap_servers=self._bootstrap_servers,
                 client_id="outbox-reconciler",
+                isolation_level="read_committed" if committed else "read_uncommitted",
                 group_id=None,
                 enable_auto_commit=False,
                 # Fail within seconds when the broker is away, instead of the
@@ -165,7 +180,7 @@ class KafkaLogScanner:
                 # would jump to the end of the log and read nothing more.
                 auto_offset_reset="none",
             )
-        return self._open
+        return self._open[committed]
 
     def partition_count(self, topic: str) -> int | None:
         """Ask the broker (fresh metadata) how many partitions the topic has."""
@@ -174,11 +189,14 @@ class KafkaLogScanner:
         partitions = self._consumer.partitions_for_topic(topic)
         return len(partitions) if partitions else None
 
-    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
-        """Log start and end offsets, as the broker reports them now."""
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        """Log start and end offsets (the last stable one, with ``committed``), as of now."""
+        consumer = self._consumer_for(committed=committed)
         tp = TopicPartition(topic, partition)
-        start = self._consumer.beginning_offsets([tp])[tp]
-        end = self._consumer.end_offsets([tp])[tp]
+        start = consumer.beginning_offsets([tp])[tp]
+        end = consumer.end_offsets([tp])[tp]
         return int(start), int(end)
 
     def find(
@@ -190,25 +208,30 @@ class KafkaLogScanner:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        committed: bool = False,
     ) -> Scan:
-        """Read ``[start, end)`` once: the offsets of wanted ids, the ids of wanted keys."""
+        """Read ``[start, end)`` once: the offsets of wanted ids, the ids of wanted keys.
+
+        With ``committed``, records of aborted (or open) transactions are not read.
+        """
         wanted = {i.encode() for i in ids}
         wanted_keys = set(keys)
         scan = Scan()
         if start >= end or not wanted:
             return scan
+        consumer = self._consumer_for(committed=committed)
         tp = TopicPartition(topic, partition)
-        self._consumer.assign([tp])
-        self._consumer.seek(tp, start)
+        consumer.assign([tp])
+        consumer.seek(tp, start)
         deadline = time.monotonic() + self._timeout
-        while (position := self._consumer.position(tp)) < end:
+        while (position := consumer.position(tp)) < end:
             if time.monotonic() > deadline:
                 raise ScanIncomplete(
                     f"{topic}[{partition}] read up to {position} of "
                     f"[{start}, {end}) in {self._timeout:g}s"
                 )
             try:
-                polled = self._consumer.poll(timeout_ms=500)
+                polled = consumer.poll(timeout_ms=500)
             except kafka_errors.OffsetOutOfRangeError as exc:
                 log_start, _ = self.offset_range(topic, partition)
                 raise EvidenceLost(
@@ -242,10 +265,10 @@ class KafkaLogScanner:
         return {policy.strip() for policy in str(entry["value"]).split(",")}
 
     def close(self) -> None:
-        """Close the consumer and the admin client, if they were ever opened."""
-        if self._open is not None:
-            self._open.close()
-            self._open = None
+        """Close the consumers and the admin client, if they were ever opened."""
+        for consumer in self._open.values():
+            consumer.close()
+        self._open.clear()
         if self._admin is not None:
             self._admin.close()
             self._admin = None

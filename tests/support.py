@@ -140,9 +140,20 @@ class ConsumedRecord:
         return uuid.UUID(value.decode())
 
 
-def read_topic(bootstrap: str, topic: str, *, timeout: float = 10.0) -> list[ConsumedRecord]:
-    """Read every record of ``topic`` from the start to the current end offsets."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+def read_topic(
+    bootstrap: str, topic: str, *, timeout: float = 10.0, committed: bool = False
+) -> list[ConsumedRecord]:
+    """Read every record of ``topic`` from the start to the current end offsets.
+
+    With ``committed``, as a read_committed consumer does (records of aborted
+    transactions are skipped), up to the last stable offsets.
+    """
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        group_id=None,
+        isolation_level="read_committed" if committed else "read_uncommitted",
+    )
     try:
         partitions = wait_until(
             lambda: consumer.partitions_for_topic(topic),

@@ -20,6 +20,7 @@ import pytest
 
 import outbox
 from tests.support import (
+    SINKS,
     count_by_state,
     fast_publisher_flags,
     read_topic,
@@ -42,7 +43,12 @@ def _stopped(process: subprocess.Popen[str]) -> bool:
 
 
 def _freeze_then_take_over(
-    database_url: str, kafka_bootstrap: str, topic: str, pause_at: str, *flags: str
+    database_url: str,
+    kafka_bootstrap: str,
+    topic: str,
+    pause_at: str,
+    *flags: str,
+    successor_flags: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     """Freeze a publisher at ``pause_at`` of its first batch; let a second one finish the work."""
     with psycopg.connect(database_url) as conn:
@@ -53,7 +59,9 @@ def _freeze_then_take_over(
         database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_PAUSE_AT": f"{pause_at}:1"}
     )
     wait_until(lambda: _stopped(zombie), timeout=60, what="the publisher to freeze")
-    successor = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
+    successor = start_publisher(
+        database_url, kafka_bootstrap, *FAST, *successor_flags, "--exit-when-idle"
+    )
     _, stderr = successor.communicate(timeout=180)
     assert successor.returncode == 0, stderr
     assert count_by_state(database_url) == {"delivered": TOTAL}
@@ -127,4 +135,50 @@ def test_zombie_frozen_before_its_producer_sent_writes_nothing_when_it_wakes(
     copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
     assert len(copies) == TOTAL
     assert max(copies.values()) == 1  # no duplicate
+    assert _stored_locations(database_url) == before
+
+
+@pytest.mark.parametrize("sink", SINKS)
+def test_transactional_zombie_is_fenced_by_kafka_and_its_batch_is_read_once(
+    database_url: str, kafka_bootstrap: str, topic: str, sink: str
+) -> None:
+    """Transactional delivery: the successor fences the frozen session before deciding.
+
+    Frozen with its batch buffered in an open transaction, the publisher's
+    lease expires; the successor's reconciler fences its transactional.id
+    (the open transaction is aborted), reads the partition read_committed,
+    finds nothing committed and sends the batch again, at once (no absence
+    grace). The woken zombie can commit nothing: a read_committed consumer
+    sees every message once, and the database keeps the successor's offsets.
+    """
+    mode = ("--delivery", "transactional", "--sink", sink)
+    zombie = _freeze_then_take_over(
+        database_url,
+        kafka_bootstrap,
+        topic,
+        "after_send",
+        *mode,
+        "--linger-ms",
+        "2000",
+        successor_flags=mode,
+    )
+    before = _stored_locations(database_url)
+    with psycopg.connect(database_url) as conn:
+        proven_absent = conn.execute(
+            "SELECT count(*) FROM outbox.decisions WHERE to_state = 'pending'"
+        ).fetchone()
+        sessions = conn.execute(
+            "SELECT count(DISTINCT transactional_id) FROM outbox.batches"
+        ).fetchone()
+    assert proven_absent == (BATCH,)
+    assert sessions is not None
+    assert sessions[0] >= 2  # the zombie's session and the successor's
+
+    zombie.send_signal(signal.SIGCONT)
+    stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
+    assert zombie.returncode == 0, stderr
+
+    copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=True))
+    assert len(copies) == TOTAL
+    assert max(copies.values()) == 1  # no duplicate for a read_committed consumer
     assert _stored_locations(database_url) == before

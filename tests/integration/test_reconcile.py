@@ -333,8 +333,10 @@ class _RetentionDuringTheScan(KafkaLogScanner):
     """The real scanner, with retention deleting the partition's records just after
     the reconciler read its offsets and before the scan reads them."""
 
-    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
-        log_start, end = super().offset_range(topic, partition)
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        log_start, end = super().offset_range(topic, partition, committed=committed)
         _delete_records_below(self._bootstrap_servers, topic, partition, end)
         return log_start, end
 

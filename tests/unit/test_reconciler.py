@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 import pytest
+from kafka import errors as kafka_errors
 
 from publisher.reconciler import Reconciler
 from publisher.scanner import EvidenceLost, Scan
@@ -60,8 +62,13 @@ class FakeScanner:
         log: tuple[int, int] = (0, 10),
         policy: set[str] | None = None,
         lost_from: int | None = None,
+        stable: int | None = None,
     ) -> None:
         self.scan = scan
+        #: The last stable offset (read_committed's end); the log's end if None.
+        self.stable = stable
+        #: Each scan's isolation: True for read_committed.
+        self.committed: list[bool] = []
         self.records = records
         self.log = log
         self.policy = policy
@@ -73,8 +80,12 @@ class FakeScanner:
         """One partition."""
         return 1
 
-    def offset_range(self, topic: str, partition: int) -> tuple[int, int]:
-        """The scripted log start and end."""
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        """The scripted log start and end (the stable end, with ``committed``)."""
+        if committed and self.stable is not None:
+            return self.log[0], self.stable
         return self.log
 
     def find(
@@ -86,9 +97,11 @@ class FakeScanner:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        committed: bool = False,
     ) -> Scan:
         """The scripted scan (or the scripted records' of ``[start, end)``), or the
         evidence lost under it."""
+        self.committed.append(committed)
         scan = self.scan
         if scan is None:
             scan = Scan()
@@ -281,3 +294,82 @@ def test_foreign_id_headers_are_reported_once_per_partition(
         "orders[0]: skipped 1 record(s) whose outbox-id header holds no message id: "
         "another producer writes that header to this topic"
     ]
+
+
+# --- messages sent in a Kafka transaction ----------------------------------------
+
+
+class FakeFencer:
+    """Records the transactional.ids it fences; fails those it is told to."""
+
+    def __init__(self, *, failing: Collection[str] = ()) -> None:
+        self.fenced: list[str] = []
+        self.failing = set(failing)
+
+    def fence(self, transactional_id: str) -> None:
+        """Fence, or fail as scripted."""
+        if transactional_id in self.failing:
+            raise kafka_errors.KafkaTimeoutError("the coordinator did not answer")
+        self.fenced.append(transactional_id)
+
+
+def _sent_in_transaction(transactional_id: str = "outbox-p-1") -> UncertainMessage:
+    return replace(_uncertain(confirmed=2), transactional_id=transactional_id)
+
+
+def test_a_transactional_message_is_decided_after_its_session_is_fenced() -> None:
+    """Fenced first, then read committed: absent means never committed, so pending."""
+    message = _sent_in_transaction()
+    scanner = FakeScanner(records=[])
+    fencer = FakeFencer()
+    report = Reconciler(FakeStore([message]), scanner, "test", fencer=fencer).run_once()
+    assert fencer.fenced == ["outbox-p-1"]
+    assert scanner.committed == [True]
+    assert report.pending == [message.id]
+
+
+def test_a_transactional_message_found_committed_is_delivered() -> None:
+    """Its record read committed after the fence: delivered at that offset."""
+    message = _sent_in_transaction()
+    scanner = FakeScanner(records=[(5, b"k", [("outbox-id", str(message.id).encode())])])
+    report = Reconciler(FakeStore([message]), scanner, "test", fencer=FakeFencer()).run_once()
+    assert report.delivered == [message.id]
+
+
+def test_a_session_that_cannot_be_fenced_leaves_its_messages_undecided() -> None:
+    """The fence fails (broker away): nothing is read or decided; the others go on."""
+    stuck, other = _sent_in_transaction("outbox-a-1"), _uncertain(confirmed=2)
+    scanner = FakeScanner(records=[])
+    fencer = FakeFencer(failing={"outbox-a-1"})
+    report = Reconciler(FakeStore([stuck, other]), scanner, "test", fencer=fencer).run_once()
+    assert report.deferred == [stuck.id]
+    assert report.pending == [other.id]
+    assert scanner.committed == [False]  # only the idempotent message's scan
+
+
+def test_without_a_fencer_a_transactional_message_waits() -> None:
+    """No fencer: its session may still write, so its absence proves nothing yet."""
+    message = _sent_in_transaction()
+    report = Reconciler(FakeStore([message]), FakeScanner(records=[]), "test").run_once()
+    assert report.deferred == [message.id]
+    assert report.decided == 0
+
+
+def test_an_open_transaction_below_the_end_defers_the_decision() -> None:
+    """Another transaction still open below the end: read_committed cannot see past it yet."""
+    message = _sent_in_transaction()
+    scanner = FakeScanner(records=[], log=(0, 10), stable=6)
+    report = Reconciler(FakeStore([message]), scanner, "test", fencer=FakeFencer()).run_once()
+    assert report.deferred == [message.id]
+    assert scanner.committed == []
+
+
+def test_a_session_is_fenced_once() -> None:
+    """Two passes over messages of one session fence it once."""
+    fencer = FakeFencer()
+    scanner = FakeScanner(records=[], stable=6)  # kept undecided, so it comes back
+    message = _sent_in_transaction()
+    reconciler = Reconciler(FakeStore([message]), scanner, "test", fencer=fencer)
+    reconciler.run_once()
+    reconciler.run_once()
+    assert fencer.fenced == ["outbox-p-1"]
