@@ -33,7 +33,7 @@ from psycopg import sql
 
 import outbox
 from outbox.migrations import migrate
-from publisher.cli import build_publisher
+from publisher.app import build_publisher
 from publisher.config import PublisherConfig
 from publisher.loop import Publisher
 

@@ -1,8 +1,9 @@
-"""``outbox-publisher``: settings, logging, the HTTP endpoints, signals.
+"""``outbox-publisher``: settings, logging, signals and exit codes.
 
 Settings come from flags, environment variables and an optional TOML file
-(``publisher.config``). SIGTERM or SIGINT stops claiming; the batch in hand
-is sent, its outcomes are recorded, and the process exits 0. Exit code 2
+(``publisher.config``); ``publisher.app`` builds and runs what they
+describe. SIGTERM or SIGINT stops claiming; the batch in hand is sent, its
+outcomes are recorded, and the process exits 0. Exit code 2
 means the configuration was refused (every problem is printed), 1 that the
 publisher failed (including an HTTP address it cannot listen on).
 """
@@ -20,30 +21,10 @@ from types import FrameType
 
 from prometheus_client import disable_created_metrics
 
-import outbox
-from outbox.retention import parse_duration
-from publisher.config import (
-    CONFIG_ENV,
-    GROUPS,
-    SETTINGS,
-    ConfigError,
-    PublisherConfig,
-    redact,
-    resolve,
-)
-from publisher.endpoints import EndpointServer
+from publisher.app import build_app
+from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, PublisherConfig, resolve
 from publisher.faults import Faults, FaultSpecError
-from publisher.fencing import KafkaFencer
-from publisher.health import KafkaClusterCheck
 from publisher.logs import configure_logging
-from publisher.loop import Publisher
-from publisher.metrics import StatusReader
-from publisher.reconciler import Reconciler
-from publisher.retention import RetentionRunner
-from publisher.scanner import KafkaLogScanner
-from publisher.sink import KafkaSink, KafkaSinkConfig, Sink
-from publisher.store import PublisherStore
-from publisher.waker import Waker
 
 log = logging.getLogger("publisher")
 
@@ -109,73 +90,6 @@ def config_from_args(
     return resolve(given, environ, config_file)
 
 
-def build_publisher(
-    config: PublisherConfig,
-    publisher_id: uuid.UUID | None = None,
-    *,
-    faults: Faults | None = None,
-) -> Publisher:
-    """Wire a publisher to PostgreSQL and Kafka from its config."""
-    publisher_id = publisher_id or uuid.uuid4()
-    store = PublisherStore(config.database_url, publisher_id)
-    reconciler = None
-    if config.reconcile_interval > 0:
-        reconciler = Reconciler(
-            store,
-            KafkaLogScanner(config.kafka_bootstrap),
-            f"reconciler {publisher_id}",
-            absence_grace=config.absence_grace,
-            fencer=KafkaFencer(config.kafka_bootstrap, timeout_ms=config.max_block_ms),
-        )
-    publisher = Publisher(
-        config,
-        store,
-        _sink(config, publisher_id),
-        Waker(config.database_url),
-        reconciler=reconciler,
-        heartbeat_store=PublisherStore(config.database_url, publisher_id),
-        claim_ahead_store=PublisherStore(config.database_url, publisher_id),
-        faults=faults,
-        version=outbox.__version__,
-        pid=os.getpid(),
-        status_reader=StatusReader(config.database_url),
-        kafka_check=KafkaClusterCheck(
-            config.kafka_bootstrap, timeout_ms=min(config.request_timeout_ms, 5_000)
-        ),
-    )
-    if config.purge_delivered_after:
-        publisher.retention = RetentionRunner(
-            config.database_url,
-            interval=config.purge_interval,
-            delivered_older_than=parse_duration(config.purge_delivered_after),
-            evidence_older_than=parse_duration(config.purge_evidence_after),
-            on_report=publisher.metrics.count_purge,
-        )
-    return publisher
-
-
-def _sink(config: PublisherConfig, publisher_id: uuid.UUID) -> Sink:
-    """The producer the config names (``--sink``), with the publisher's settings."""
-    sink_config = KafkaSinkConfig(
-        bootstrap_servers=config.kafka_bootstrap,
-        client_id=f"outbox-publisher-{publisher_id}",
-        linger_ms=config.linger_ms,
-        delivery_timeout_ms=config.delivery_timeout_ms,
-        request_timeout_ms=config.request_timeout_ms,
-        max_block_ms=config.max_block_ms,
-        allow_auto_create_topics=config.auto_create_topics,
-        transactional_id_prefix=(
-            f"outbox-{publisher_id}" if config.delivery == "transactional" else None
-        ),
-    )
-    if config.sink == "confluent":
-        # Only with the confluent extra installed (the config checked it).
-        from publisher.confluent_sink import ConfluentSink  # noqa: PLC0415
-
-        return ConfluentSink(sink_config)
-    return KafkaSink(sink_config)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the publisher until SIGTERM/SIGINT (or idle); return the exit code."""
     try:
@@ -190,44 +104,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Every counter would also get a <name>_created series; they only add noise.
     disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
-    publisher = build_publisher(config, publisher_id, faults=faults)
-    server = None
-    if config.http_port:
-        try:
-            server = EndpointServer(
-                config.http_host, config.http_port, publisher.metrics.registry, publisher.health
-            )
-        except OSError as exc:
-            log.error(
-                "cannot serve metrics and health on %s:%d: %s (--http-port 0 serves none)",
-                config.http_host,
-                config.http_port,
-                exc.strerror or exc,
-            )
-            return 1
-        server.start()
+    try:
+        app = build_app(config, publisher_id, faults=faults)
+    except OSError as exc:  # only the HTTP endpoints' socket is opened while building
+        log.error(
+            "cannot serve metrics and health on %s:%d: %s (--http-port 0 serves none)",
+            config.http_host,
+            config.http_port,
+            exc.strerror or exc,
+        )
+        return 1
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info(
             "%s received: finishing the batch in hand, then stopping", signal.Signals(signum).name
         )
-        publisher.request_stop()
+        app.request_stop()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    log.info(
-        "publisher %s: database %s, Kafka %s",
-        publisher.publisher_id,
-        redact(config.database_url),
-        config.kafka_bootstrap,
-    )
     try:
-        publisher.run()
+        app.run()
     except Exception:
         log.exception("publisher failed")
         return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if server is not None:
-            server.stop()
     return 0

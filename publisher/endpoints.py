@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -25,23 +24,32 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from publisher.health import Health, Verdict
+from publisher.service import BackgroundService
 
 log = logging.getLogger(__name__)
 
 
-class EndpointServer:
+#: How long one turn waits for a request: the longest ``stop()`` waits for an idle server.
+POLL_SECONDS = 0.2
+
+
+class EndpointServer(BackgroundService):
     """Serves the endpoints on ``host:port`` from a daemon thread until ``stop()``.
 
     The socket is bound in the constructor, so an address in use fails the
     start at once (``OSError``) instead of later in a thread nobody watches.
-    ``port`` 0 binds a free port; ``address`` says which.
+    ``port`` 0 binds a free port; ``address`` says which. A turn serves one
+    request, or none within ``POLL_SECONDS``; each request is answered in a
+    thread of its own, so a slow client holds up nothing.
     """
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Health) -> None:
+        # No wait between turns: each turn waits on the socket instead.
+        super().__init__(name="outbox-http", interval=0.0, join_timeout=5)
         handler = _handler(registry, health)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        self._server.timeout = POLL_SECONDS
 
     @property
     def address(self) -> tuple[str, int]:
@@ -51,23 +59,18 @@ class EndpointServer:
 
     def start(self) -> None:
         """Serve requests in a daemon thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._server.serve_forever,
-                kwargs={"poll_interval": 0.2},
-                name="outbox-http",
-                daemon=True,
-            )
-            self._thread.start()
+        if not self.running and not self.stopping:
+            super().start()
             host, port = self.address
             log.info("serving /metrics, /healthz and /readyz on http://%s:%d", host, port)
 
-    def stop(self) -> None:
+    def run_once(self) -> None:
+        """Serve one request, or return after ``POLL_SECONDS`` without one."""
+        self._server.handle_request()
+
+    def stop(self, timeout: float | None = None) -> None:
         """Stop serving and close the socket; returns once the serving thread has ended."""
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(timeout=5)
-            self._thread = None
+        super().stop(timeout)
         self._server.server_close()
 
 

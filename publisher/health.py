@@ -29,6 +29,8 @@ from typing import Any
 from kafka import KafkaAdminClient
 from kafka import errors as kafka_errors
 
+from publisher.service import BackgroundService
+
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
@@ -173,35 +175,24 @@ class Health:
         return Verdict(all(v == "ok" for v in checks.values()), checks)
 
 
-class KafkaProbe:
-    """Checks Kafka in a daemon thread when nothing else talked to it for ``interval`` seconds."""
+class KafkaProbe(BackgroundService):
+    """Checks Kafka in a daemon thread when nothing else talked to it for ``interval`` seconds.
+
+    It probes once at start, then every interval; ``stop()`` waits up to 15 s
+    for a probe in progress.
+    """
 
     def __init__(self, contact: Contact, check: Callable[[], None], *, interval: float) -> None:
+        super().__init__(
+            name="outbox-kafka-probe", interval=interval, run_at_start=True, join_timeout=15
+        )
         self._contact = contact
         self._check = check
-        self._interval = interval
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Probe now if needed, then every ``interval`` seconds, in a daemon thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="outbox-kafka-probe", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Stop probing; waits for a probe in progress."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-            self._thread = None
 
     def run_once(self) -> bool:
         """Probe unless a recent contact already answered the question; say whether it probed."""
         age = self._contact.age()
-        if age is not None and age < self._interval:
+        if age is not None and age < self.interval:
             return False
         try:
             self._check()
@@ -212,12 +203,6 @@ class KafkaProbe:
         else:
             self._contact.succeeded()
         return True
-
-    def _run(self) -> None:
-        while True:
-            self.run_once()
-            if self._stopping.wait(self._interval):
-                return
 
 
 class KafkaClusterCheck:

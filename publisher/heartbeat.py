@@ -18,7 +18,6 @@ still notices a database that went away.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection
 
@@ -26,6 +25,7 @@ import psycopg
 
 from publisher.health import Contact
 from publisher.lanes import LaneKeeper
+from publisher.service import BackgroundService
 from publisher.store import PublisherStore
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,16 @@ log = logging.getLogger(__name__)
 LANE_TICK_SECONDS = 1.0
 
 
-class Heartbeat:
-    """Runs ``store.heartbeat`` every ``interval`` seconds until stopped."""
+class Heartbeat(BackgroundService):
+    """Runs ``store.heartbeat`` every ``interval`` seconds until stopped.
+
+    Its thread turns every second when it keeps lanes (every ``interval``
+    without): each turn beats when a beat is due, and rebalances the lanes
+    otherwise. A database error is logged, the heartbeat's connection closed
+    and the next turn tries again.
+    """
+
+    recoverable = (psycopg.Error,)
 
     def __init__(
         self,
@@ -49,10 +57,17 @@ class Heartbeat:
         held_batches: Callable[[], Collection[int]] | None = None,
         loop_alive: Callable[[], bool] | None = None,
     ) -> None:
+        # Lanes are balanced every second between beats, so that a publisher
+        # that starts (or stops) moves lanes within a second or two, not a
+        # heartbeat interval on each side.
+        tick = interval if lanes is None else min(interval, LANE_TICK_SECONDS)
+        super().__init__(name="outbox-heartbeat", interval=tick, join_timeout=10)
         self._store = store
         self._database = database
         self.lanes = lanes
-        self._interval = interval
+        self._beat_interval = interval
+        #: When the next beat is due (``time.monotonic``); each beat moves it on.
+        self._next_beat = time.monotonic() + interval
         self._lease_seconds = lease_seconds
         self._progressing = progressing
         #: The batches whose leases may be renewed (None: every lease held).
@@ -60,17 +75,10 @@ class Heartbeat:
         #: Whether the loop still turns; lanes are kept only while it does.
         self._loop_alive = loop_alive or (lambda: True)
         self._stalled = False
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start beating in a daemon thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="outbox-heartbeat", daemon=True)
-            self._thread.start()
 
     def beat(self) -> int:
         """One heartbeat now; returns how many leases were renewed."""
+        self._next_beat = time.monotonic() + self._beat_interval
         if not self._still_working():
             return 0
         batches = None if self._held_batches is None else self._held_batches()
@@ -103,12 +111,18 @@ class Heartbeat:
             )
         return False
 
-    def stop(self) -> None:
+    def run_once(self) -> None:
+        """One turn: a beat if one is due (within half a turn), else a lane rebalance."""
+        if time.monotonic() >= self._next_beat - self.interval / 2:
+            self.beat()
+        else:
+            self._balance_lanes()
+        if self._database is not None:
+            self._database.succeeded()
+
+    def stop(self, timeout: float | None = None) -> None:
         """Stop beating, give the lanes back, and close the heartbeat's connection."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        super().stop(timeout)
         if self.lanes is not None:
             try:
                 self.lanes.release_all()
@@ -116,24 +130,8 @@ class Heartbeat:
                 log.warning("could not give the lanes back (they expire on their own): %s", exc)
         self._store.close()
 
-    def _run(self) -> None:
-        # Lanes are balanced every second between beats, so that a publisher
-        # that starts (or stops) moves lanes within a second or two, not a
-        # heartbeat interval on each side.
-        tick = self._interval if self.lanes is None else min(self._interval, LANE_TICK_SECONDS)
-        next_beat = time.monotonic() + self._interval
-        while not self._stopping.wait(tick):
-            try:
-                if time.monotonic() >= next_beat - tick / 2:
-                    next_beat = time.monotonic() + self._interval
-                    self.beat()
-                else:
-                    self._balance_lanes()
-            except psycopg.Error as exc:
-                log.warning("heartbeat failed (%s); retrying", exc)
-                if self._database is not None and isinstance(exc, psycopg.OperationalError):
-                    self._database.failed(exc)
-                self._store.close()
-            else:
-                if self._database is not None:
-                    self._database.succeeded()
+    def _failed(self, exc: Exception) -> None:
+        log.warning("heartbeat failed (%s); retrying", exc)
+        if self._database is not None and isinstance(exc, psycopg.OperationalError):
+            self._database.failed(exc)
+        self._store.close()

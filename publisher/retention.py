@@ -10,7 +10,6 @@ others skip their turn. It stops between two steps when the publisher stops.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -18,12 +17,16 @@ import psycopg
 
 from outbox.retention import DEFAULT_BATCH_SIZE, PurgeBusy, PurgeReport, purge
 from publisher.connector import connect
+from publisher.service import BackgroundService
 
 log = logging.getLogger(__name__)
 
 
-class RetentionRunner:
-    """Runs ``outbox.retention.purge`` every ``interval`` seconds until stopped."""
+class RetentionRunner(BackgroundService):
+    """Runs ``outbox.retention.purge`` every ``interval`` seconds until stopped.
+
+    ``stop()`` waits up to 30 s: the purge in progress ends after its step.
+    """
 
     def __init__(
         self,
@@ -35,27 +38,12 @@ class RetentionRunner:
         batch_size: int = DEFAULT_BATCH_SIZE,
         on_report: Callable[[PurgeReport], None] | None = None,
     ) -> None:
+        super().__init__(name="outbox-retention", interval=interval, join_timeout=30)
         self._conninfo = conninfo
-        self._interval = interval
         self._delivered_older_than = delivered_older_than
         self._evidence_older_than = evidence_older_than
         self._batch_size = batch_size
         self._on_report = on_report
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start purging in a daemon thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="outbox-retention", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Stop after the current step (if a purge is running) and wait for the thread."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
 
     def run_once(self) -> PurgeReport | None:
         """One purge now; None when another purge was running or the database failed."""
@@ -66,7 +54,7 @@ class RetentionRunner:
                     delivered_older_than=self._delivered_older_than,
                     evidence_older_than=self._evidence_older_than,
                     batch_size=self._batch_size,
-                    should_stop=self._stopping.is_set,
+                    should_stop=lambda: self.stopping,
                 )
         except PurgeBusy:
             log.info("retention: another purge is running; skipping this turn")
@@ -87,7 +75,3 @@ class RetentionRunner:
         if self._on_report is not None:
             self._on_report(report)
         return report
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self._interval):
-            self.run_once()

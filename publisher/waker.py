@@ -16,30 +16,45 @@ import threading
 import psycopg
 
 from publisher.connector import connect
+from publisher.service import BackgroundService
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "outbox_pending"
 
+#: The longest wait between two reconnection attempts.
+MAX_RECONNECT_DELAY = 30.0
 
-class Waker:
-    """An event set by ``NOTIFY outbox_pending``, by ``wake()``, or never (polling only)."""
+
+class Waker(BackgroundService):
+    """An event set by ``NOTIFY outbox_pending``, by ``wake()``, or never (polling only).
+
+    Unlike the other services, a turn (``run_once``) is a whole listening
+    session: it returns only when stopped, or raises when its connection
+    drops; the wait between turns is the reconnection backoff, which doubles
+    after each failure up to 30 s and starts again after a connection.
+    """
+
+    recoverable = (psycopg.Error,)
 
     def __init__(self, conninfo: str | None, *, reconnect_delay: float = 1.0) -> None:
+        super().__init__(
+            name="outbox-listener", interval=reconnect_delay, run_at_start=True, join_timeout=5
+        )
         self._conninfo = conninfo
         self._reconnect_delay = reconnect_delay
+        #: The backoff after the next failure: doubles with each failure in a row.
+        self._delay = reconnect_delay
+        #: The wait before the next turn (the backoff of the last failure).
+        self._wait = reconnect_delay
         self._event = threading.Event()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
         #: Set while a LISTEN connection is established (tests wait on it).
         self.listening = threading.Event()
 
     def start(self) -> None:
         """Start listening in a daemon thread (no-op without a conninfo)."""
-        if self._conninfo is None or self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._listen, name="outbox-listener", daemon=True)
-        self._thread.start()
+        if self._conninfo is not None:
+            super().start()
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a wake-up; clear it and say whether one came."""
@@ -51,40 +66,35 @@ class Waker:
         """Wake the waiting loop now."""
         self._event.set()
 
-    def stop(self) -> None:
-        """Stop listening; returns once the listener thread has ended."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-
-    def _listen(self) -> None:
+    def run_once(self) -> None:
+        """Listen on a new connection, setting the event on each NOTIFY, until stopped."""
         assert self._conninfo is not None
-        delay = self._reconnect_delay
-        while not self._stopping.is_set():
-            try:
-                with connect(
-                    self._conninfo,
-                    autocommit=True,
-                    application_name="outbox-publisher listener",
-                    # Notice a silently dead peer within about a minute.
-                    keepalives=1,
-                    keepalives_idle=30,
-                    keepalives_interval=10,
-                    keepalives_count=3,
-                ) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}")
-                    self.listening.set()
-                    delay = self._reconnect_delay
-                    self._event.set()  # anything committed while we were not listening
-                    while not self._stopping.is_set():
-                        for _ in conn.notifies(timeout=0.5, stop_after=1):
-                            self._event.set()
-            except psycopg.Error as exc:
-                self.listening.clear()
-                if self._stopping.is_set():
-                    return
-                log.warning("listener connection lost (%s); reconnecting in %.1fs", exc, delay)
-                self._stopping.wait(delay)
-                delay = min(delay * 2, 30.0)
-        self.listening.clear()
+        try:
+            with connect(
+                self._conninfo,
+                autocommit=True,
+                application_name="outbox-publisher listener",
+                # Notice a silently dead peer within about a minute.
+                keepalives=1,
+                keepalives_idle=30,
+                keepalives_interval=10,
+                keepalives_count=3,
+            ) as conn:
+                conn.execute(f"LISTEN {CHANNEL}")
+                self.listening.set()
+                self._delay = self._reconnect_delay
+                self._event.set()  # anything committed while we were not listening
+                while not self.stopping:
+                    for _ in conn.notifies(timeout=0.5, stop_after=1):
+                        self._event.set()
+        finally:
+            self.listening.clear()
+
+    def _wait_seconds(self) -> float:
+        return self._wait
+
+    def _failed(self, exc: Exception) -> None:
+        if self.stopping:
+            return  # the connection was closed under us on the way out
+        self._wait, self._delay = self._delay, min(self._delay * 2, MAX_RECONNECT_DELAY)
+        log.warning("listener connection lost (%s); reconnecting in %.1fs", exc, self._wait)

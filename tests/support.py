@@ -22,7 +22,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewPartitions, NewTopic
 
 from outbox.states import State
-from publisher.cli import build_publisher
+from publisher.app import build_publisher
 from publisher.config import PublisherConfig
 from publisher.loop import Totals
 from publisher.partitioning import partition_for

@@ -20,7 +20,7 @@ import pytest
 import outbox
 import outbox.ids
 from outbox.retention import PURGE_LOCK_KEY
-from publisher.cli import build_publisher
+from publisher.app import build_publisher
 from tests.support import (
     fetch_rows,
     make_uncertain,

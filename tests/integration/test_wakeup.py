@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import outbox
-from publisher.cli import build_publisher
+from publisher.app import build_publisher
 from publisher.loop import Publisher
 from tests.support import count_by_state, publisher_config, wait_until
 

@@ -129,3 +129,19 @@ def test_an_address_in_use_fails_at_construction() -> None:
             EndpointServer("127.0.0.1", first.address[1], PublisherMetrics().registry, health)
     finally:
         first.stop()
+
+
+def test_one_turn_serves_one_waiting_request_without_a_thread() -> None:
+    """run_once answers a request already waiting on the socket; no serving thread is started."""
+    health = Health(stall_seconds=50, alive_seconds=110)
+    server = EndpointServer("127.0.0.1", 0, PublisherMetrics(health).registry, health)
+    try:
+        with socket.create_connection(server.address, timeout=5) as client:
+            client.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            server.run_once()
+            response = client.makefile("rb").read()
+        assert not server.running
+    finally:
+        server.stop()
+    assert response.startswith(b"HTTP/1.0 200 ")
+    assert response.endswith(b'"checks": {"loop": "ok"}}\n')

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kafka import errors as kafka_errors
 
-from publisher.cli import build_publisher
+from publisher.app import build_publisher
 from publisher.config import PublisherConfig
 from publisher.outcomes import LibrdkafkaError, SendOutcome, classify, from_librdkafka
 

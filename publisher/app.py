@@ -1,0 +1,155 @@
+"""The composition root: the one place that builds a publisher from its config.
+
+Everything ``outbox-publisher`` runs is wired here: the stores (the loop's,
+the heartbeat's, the claim-ahead worker's), the sink the config names, the
+reconciler and its scanner, the waker, the status reader, the Kafka check,
+retention and the HTTP endpoints. ``publisher.cli`` only turns flags into a
+``PublisherConfig``, configures the process (logging, signals) and maps the
+outcome to an exit code; tests and benchmarks build their publishers here
+too, so that they run what the command runs.
+
+The loop itself builds the parts that need its own state (the heartbeat
+reads its progress and the batches in hand; the Kafka probe writes its
+health), from the stores and the check it is given here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import outbox
+from outbox.retention import parse_duration
+from publisher.config import PublisherConfig, redact
+from publisher.endpoints import EndpointServer
+from publisher.faults import Faults
+from publisher.fencing import KafkaFencer
+from publisher.health import KafkaClusterCheck
+from publisher.loop import Publisher, Totals
+from publisher.metrics import StatusReader
+from publisher.reconciler import Reconciler
+from publisher.retention import RetentionRunner
+from publisher.scanner import KafkaLogScanner
+from publisher.sink import KafkaSink, KafkaSinkConfig, Sink
+from publisher.store import PublisherStore
+from publisher.waker import Waker
+
+log = logging.getLogger("publisher")
+
+
+def build_publisher(
+    config: PublisherConfig,
+    publisher_id: uuid.UUID | None = None,
+    *,
+    faults: Faults | None = None,
+) -> Publisher:
+    """Wire a publisher to PostgreSQL and Kafka from its config (nothing is contacted yet)."""
+    publisher_id = publisher_id or uuid.uuid4()
+    store = PublisherStore(config.database_url, publisher_id)
+    reconciler = None
+    if config.reconcile_interval > 0:
+        reconciler = Reconciler(
+            store,
+            KafkaLogScanner(config.kafka_bootstrap),
+            f"reconciler {publisher_id}",
+            absence_grace=config.absence_grace,
+            fencer=KafkaFencer(config.kafka_bootstrap, timeout_ms=config.max_block_ms),
+        )
+    publisher = Publisher(
+        config,
+        store,
+        build_sink(config, publisher_id),
+        Waker(config.database_url),
+        reconciler=reconciler,
+        heartbeat_store=PublisherStore(config.database_url, publisher_id),
+        claim_ahead_store=PublisherStore(config.database_url, publisher_id),
+        faults=faults,
+        version=outbox.__version__,
+        pid=os.getpid(),
+        status_reader=StatusReader(config.database_url),
+        kafka_check=KafkaClusterCheck(
+            config.kafka_bootstrap, timeout_ms=min(config.request_timeout_ms, 5_000)
+        ),
+    )
+    if config.purge_delivered_after:
+        publisher.retention = RetentionRunner(
+            config.database_url,
+            interval=config.purge_interval,
+            delivered_older_than=parse_duration(config.purge_delivered_after),
+            evidence_older_than=parse_duration(config.purge_evidence_after),
+            on_report=publisher.metrics.count_purge,
+        )
+    return publisher
+
+
+def build_sink(config: PublisherConfig, publisher_id: uuid.UUID) -> Sink:
+    """The producer the config names (``--sink``), with the publisher's settings."""
+    sink_config = KafkaSinkConfig(
+        bootstrap_servers=config.kafka_bootstrap,
+        client_id=f"outbox-publisher-{publisher_id}",
+        linger_ms=config.linger_ms,
+        delivery_timeout_ms=config.delivery_timeout_ms,
+        request_timeout_ms=config.request_timeout_ms,
+        max_block_ms=config.max_block_ms,
+        allow_auto_create_topics=config.auto_create_topics,
+        transactional_id_prefix=(
+            f"outbox-{publisher_id}" if config.delivery == "transactional" else None
+        ),
+    )
+    if config.sink == "confluent":
+        # Only with the confluent extra installed (the config checked it).
+        from publisher.confluent_sink import ConfluentSink  # noqa: PLC0415
+
+        return ConfluentSink(sink_config)
+    return KafkaSink(sink_config)
+
+
+class PublisherApp:
+    """A publisher and the HTTP endpoints that expose it: what ``outbox-publisher`` runs."""
+
+    def __init__(self, publisher: Publisher, endpoints: EndpointServer | None) -> None:
+        self.publisher = publisher
+        #: ``/metrics``, ``/healthz`` and ``/readyz``; ``None`` with ``--http-port 0``.
+        self.endpoints = endpoints
+
+    def request_stop(self) -> None:
+        """Stop claiming; the batch in hand is finished and settled first (signal-safe)."""
+        self.publisher.request_stop()
+
+    def run(self) -> Totals:
+        """Serve the endpoints and deliver until stopped; the endpoints stop with the loop."""
+        config = self.publisher.config
+        if self.endpoints is not None:
+            self.endpoints.start()
+        log.info(
+            "publisher %s: database %s, Kafka %s",
+            self.publisher.publisher_id,
+            redact(config.database_url),
+            config.kafka_bootstrap,
+        )
+        try:
+            return self.publisher.run()
+        finally:
+            if self.endpoints is not None:
+                self.endpoints.stop()
+
+
+def build_app(
+    config: PublisherConfig,
+    publisher_id: uuid.UUID | None = None,
+    *,
+    faults: Faults | None = None,
+) -> PublisherApp:
+    """The publisher of ``build_publisher`` with its endpoints on ``--http-host:--http-port``.
+
+    Raises ``OSError`` when that address cannot be listened on: the socket is
+    bound here, so that the process fails at start rather than in a thread.
+    """
+    publisher = build_publisher(config, publisher_id, faults=faults)
+    endpoints = None
+    if config.http_port:
+        endpoints = EndpointServer(
+            config.http_host, config.http_port, publisher.metrics.registry, publisher.health
+        )
+    return PublisherApp(publisher, endpoints)

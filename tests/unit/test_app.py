@@ -1,0 +1,41 @@
+"""The composition root (publisher/app.py) wires what the config asks for; nothing is contacted."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from publisher.app import build_app, build_publisher
+from publisher.config import PublisherConfig
+from publisher.retention import RetentionRunner
+
+
+def _config(**overrides: Any) -> PublisherConfig:
+    return PublisherConfig("postgresql://localhost/outbox", "localhost:9092", **overrides)
+
+
+def test_retention_and_reconciliation_are_wired_only_when_configured() -> None:
+    """A purge window adds a retention runner; reconcile interval 0 leaves out the reconciler."""
+    plain = build_publisher(_config())
+    assert plain.retention is None
+    assert plain.reconciler is not None
+    purging = build_publisher(_config(purge_delivered_after="7d", reconcile_interval=0))
+    assert isinstance(purging.retention, RetentionRunner)
+    assert purging.reconciler is None
+
+
+def test_http_port_0_builds_no_endpoints() -> None:
+    """With --http-port 0 the app is the publisher alone."""
+    app = build_app(_config(http_port=0))
+    assert app.endpoints is None
+
+
+def test_an_address_in_use_fails_the_build() -> None:
+    """The endpoints bind --http-host:--http-port while the app is built: a taken port fails it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError, match="in use"):
+            build_app(_config(http_host="127.0.0.1", http_port=taken.getsockname()[1]))

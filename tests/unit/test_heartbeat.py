@@ -1,0 +1,109 @@
+"""The heartbeat's turns (publisher/heartbeat.py), on a recording store: no database, no sleeps.
+
+Against a real PostgreSQL: tests/integration/test_heartbeat_batches.py and
+test_lane_handover.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, cast
+
+import psycopg
+
+from publisher.health import Contact
+from publisher.heartbeat import Heartbeat
+
+
+class RecordingStore:
+    """Records beats, lane balances and closes; fails the first ``failures`` beats."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.beats = 0
+        self.closes = 0
+        self.failures = failures
+        self.beaten = threading.Event()
+
+    def heartbeat(self, lease_seconds: float, *, renew: bool, batches: object) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise psycopg.OperationalError("the database went away")
+        self.beats += 1
+        self.beaten.set()
+        return 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+class RecordingContact(Contact):
+    """The database contact, recording each failure it is told of."""
+
+    def __init__(self) -> None:
+        super().__init__("database", clock=lambda: 0.0, wall=lambda: 0.0)
+        self.failures: list[str] = []
+
+    def failed(self, error: BaseException | str) -> None:
+        self.failures.append(str(error))
+        super().failed(error)
+
+
+class RecordingLanes:
+    """A lane keeper that counts its rebalances."""
+
+    def __init__(self) -> None:
+        self.balances = 0
+        self.released = False
+
+    def balance(self) -> set[int]:
+        self.balances += 1
+        return set()
+
+    def release_all(self) -> None:
+        self.released = True
+
+
+def _heartbeat(store: RecordingStore, *, interval: float, **kwargs: Any) -> Heartbeat:
+    return Heartbeat(
+        cast(Any, store), interval=interval, lease_seconds=60, progressing=lambda: True, **kwargs
+    )
+
+
+def test_a_turn_between_beats_only_rebalances_the_lanes() -> None:
+    """Before the beat interval is up, a turn rebalances the lanes and does not beat."""
+    store, lanes = RecordingStore(), RecordingLanes()
+    beat = _heartbeat(store, interval=30, lanes=cast(Any, lanes))
+    beat.run_once()
+    assert (store.beats, lanes.balances) == (0, 1)
+
+
+def test_a_turn_beats_when_a_beat_is_due() -> None:
+    """Once the interval is up, a turn beats (and rebalances the lanes with the beat)."""
+    store, lanes = RecordingStore(), RecordingLanes()
+    beat = _heartbeat(store, interval=0, lanes=cast(Any, lanes))
+    beat.run_once()
+    assert (store.beats, lanes.balances) == (1, 1)
+
+
+def test_a_database_error_is_reported_and_the_next_turn_beats_again() -> None:
+    """A failed beat marks the database failed and closes the connection; the thread goes on."""
+    store = RecordingStore(failures=1)
+    database = RecordingContact()
+    beat = _heartbeat(store, interval=0, database=database)
+    beat.start()
+    try:
+        assert store.beaten.wait(timeout=5)
+    finally:
+        beat.stop(timeout=5)
+    assert database.failures == ["the database went away"]
+    assert store.closes >= 2  # once after the failure, once on stop
+    assert database.ok is True  # the later beat succeeded
+
+
+def test_stop_gives_the_lanes_back_and_closes_the_connection() -> None:
+    """stop() releases every lane and closes the heartbeat's store, started or not."""
+    store, lanes = RecordingStore(), RecordingLanes()
+    beat = _heartbeat(store, interval=30, lanes=cast(Any, lanes))
+    beat.stop()
+    assert lanes.released
+    assert store.closes == 1
