@@ -171,9 +171,10 @@ def drop_database(base_url: str, name: str) -> None:
 
 @contextlib.contextmanager
 def temporary_database(
-    base_url: str, prefix: str, *, template: str | None = None
+    base_url: str, prefix: str, *, template: str | None = None, target: int | None = None
 ) -> Iterator[tuple[str, str]]:
-    """A fresh migrated database (or a copy of ``template``), dropped afterwards.
+    """A fresh migrated database (up to schema version ``target``, if given), or a
+    copy of ``template``, dropped afterwards.
 
     Yields its name and URL.
     """
@@ -181,7 +182,7 @@ def temporary_database(
     url = create_database(base_url, name, template=template)
     try:
         if template is None:
-            migrate(url)
+            migrate(url, target=target)
         yield name, url
     finally:
         drop_database(base_url, name)

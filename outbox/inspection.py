@@ -122,14 +122,9 @@ def _events(
         enqueued = {"topic": message["topic"], "seq": message["seq"]}
         events.append(Event(message["created_at"], "enqueued", enqueued))
     for a in attempts:
-        who = {"publisher": a["publisher_id"], "host": a["host"], "pid": a["pid"]}
-        events.append(
-            Event(
-                a["started_at"],
-                f"attempt {a['attempt']} claimed",
-                {**who, "fence": a["fence"], "batch": a["batch_id"]},
-            )
-        )
+        claimed = _claimed(a["publisher_id"], a["host"], a["pid"], a["fence"], a["batch_id"])
+        _add_transaction(claimed, a["transactional_id"])
+        events.append(Event(a["started_at"], f"attempt {a['attempt']} claimed", claimed))
         if a["send_began_at"] is not None and a["send_began"]:
             events.append(
                 Event(
@@ -148,21 +143,15 @@ def _events(
                 detail["error"] = a["error"]
             events.append(Event(a["finished_at"], f"attempt {a['attempt']} {a['outcome']}", detail))
     if claim is not None and message is not None and message["state"] == State.IN_FLIGHT:
-        n = message["attempts"]
-        events.append(
-            Event(
-                claim["claimed_at"],
-                f"attempt {n} claimed (in flight)",
-                {
-                    "publisher": claim["publisher_id"],
-                    "host": claim["host"],
-                    "pid": claim["pid"],
-                    "fence": message["fence"],
-                    "batch": claim["id"],
-                    "lease_expires_at": message["lease_expires_at"],
-                },
-            )
+        # The claim wrote only its batch: this attempt's number and fence are
+        # the row's plus one, written when it settles.
+        n = message["attempts"] + 1
+        in_flight = _claimed(
+            claim["publisher_id"], claim["host"], claim["pid"], message["fence"] + 1, claim["id"]
         )
+        in_flight["lease_expires_at"] = message["lease_expires_at"]
+        _add_transaction(in_flight, claim["transactional_id"])
+        events.append(Event(claim["claimed_at"], f"attempt {n} claimed (in flight)", in_flight))
         if claim["send_began_at"] is not None:
             events.append(
                 Event(
@@ -191,6 +180,17 @@ def _events(
     # Stable: events at the same instant keep the order they were added in.
     events.sort(key=lambda e: e.at)
     return events
+
+
+def _claimed(publisher: Any, host: Any, pid: Any, fence: Any, batch: Any) -> dict[str, Any]:
+    """What a claim event says: who claimed, under which fence, in which batch."""
+    return {"publisher": publisher, "host": host, "pid": pid, "fence": fence, "batch": batch}
+
+
+def _add_transaction(detail: dict[str, Any], transactional_id: str | None) -> None:
+    """Name the Kafka transaction's session of an attempt sent in one."""
+    if transactional_id is not None:
+        detail["transaction"] = transactional_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,8 +68,6 @@ messages = sa.Table(
     sa.Column("state", sa.Text, nullable=False, server_default=sa.text("'pending'")),
     sa.Column("created_at", _tstz(), nullable=False, server_default=_NOW),
     sa.Column("available_at", _tstz(), nullable=False, server_default=_NOW),
-    sa.Column("lease_owner", sa.Uuid),
-    sa.Column("lease_expires_at", _tstz()),
     sa.Column("fence", sa.BigInteger, nullable=False, server_default=_ZERO),
     sa.Column("attempts", sa.Integer, nullable=False, server_default=_ZERO),
     sa.Column("kafka_partition", sa.Integer),
@@ -113,14 +111,7 @@ messages = sa.Table(
         "cardinality(header_names) = cardinality(header_values)",
         name="messages_headers_paired",
     ),
-    sa.CheckConstraint(
-        "state <> 'in_flight' OR (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
-        name="messages_in_flight_leased",
-    ),
     sa.Index("messages_claimable", "seq", postgresql_where=sa.text("state = 'pending'")),
-    sa.Index(
-        "messages_leased", "lease_expires_at", postgresql_where=sa.text("state = 'in_flight'")
-    ),
     sa.Index(
         "messages_batch",
         "batch_id",
@@ -198,7 +189,9 @@ states = sa.Table(
     sa.UniqueConstraint("position", name="states_position_key"),
 )
 
-#: One row per claim: the evidence recovery and reconciliation decide from.
+#: One row per claim, naming its messages: open (in flight) until settled or
+#: recovered, then the evidence reconciliation decides from and the record of
+#: a delivery (0007).
 batches = sa.Table(
     "batches",
     metadata,
@@ -211,8 +204,14 @@ batches = sa.Table(
     sa.Column("confirmed_offsets", pg.JSONB),
     sa.Column("settled_at", _tstz()),
     sa.Column("transactional_id", sa.Text),
+    sa.Column("message_ids", pg.ARRAY(sa.Uuid), nullable=False, server_default=sa.text("'{}'")),
+    sa.Column(
+        "key_hashes", pg.ARRAY(sa.BigInteger), nullable=False, server_default=sa.text("'{}'")
+    ),
+    sa.Column("lease_expires_at", _tstz()),
     sa.PrimaryKeyConstraint("id", name="batches_pkey"),
     sa.Index("batches_publisher", "publisher_id"),
+    sa.Index("batches_open", "lease_expires_at", postgresql_where=sa.text("settled_at IS NULL")),
 )
 
 #: The highest offset confirmed so far in each topic partition.

@@ -90,9 +90,16 @@ def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
     return {v for (v,) in conn.execute(_APPLIED)}
 
 
-def migrate(conninfo: str) -> list[Migration]:
-    """Apply the migrations not yet applied; return those this call applied."""
+def migrate(conninfo: str, *, target: int | None = None) -> list[Migration]:
+    """Apply the migrations not yet applied (up to version ``target``, if given).
+
+    Returns those this call applied.
+    """
     migrations = load_migrations()
+    if target is not None:
+        if target not in {m.version for m in migrations}:
+            raise MigrationError(f"no migration has version {target}")
+        migrations = [m for m in migrations if m.version <= target]
     applied: list[Migration] = []
     with psycopg.connect(conninfo, autocommit=True) as conn:
         for migration in migrations:

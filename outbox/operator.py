@@ -161,6 +161,8 @@ def _decide(
         k: v for k, v in (("partition", partition), ("offset", offset)) if v is not None
     }
     with conn.transaction():
+        # Waits for a claim of the message's lane in progress (see resolve_lock).
+        conn.execute(query("resolve_lock"), {"id": message_id})
         row = conn.execute(
             query("resolve_message"),
             {

@@ -32,70 +32,66 @@ FROM outbox.messages
 WHERE idempotency_key = ANY(%(keys)s::text[])
 
 -- name: claim_batch
--- Lease the next claimable messages of this publisher's lanes to it, oldest
--- first, and record the claim as a batch (only when something was claimed). A keyed
--- message is claimable only when every earlier open message of its key is
--- claimable too (pending and due): an earlier one in flight, uncertain,
--- quarantined or waiting out a retry holds its key back, and only its key.
--- SKIP LOCKED lets publishers claim side by side; every claim raises the fence.
--- A claim clears the partition and offset an earlier attempt stored: this
--- attempt's partition is chosen afresh (the topic may have grown since), and a
--- stale one would send the reconciler to look for its record in the wrong place.
+-- Claim the next claimable messages of this publisher's lanes, oldest first,
+-- by writing one batch row that names them (only when something was
+-- claimed); no message row is written. A message named by an open batch (of
+-- any publisher) is in flight and is not claimed again. A keyed message is
+-- claimable only when no message of its key is in an open batch and every
+-- earlier open message of its key is claimable too (pending and due): an
+-- earlier one in flight, uncertain, quarantined or waiting out a retry holds
+-- its key back, and only its key. Lanes make one publisher at a time claim a
+-- message: the lanes are read FOR SHARE, so none changes owner while the
+-- claim runs, and an operator's decision on a pending message takes its
+-- lane's row FOR UPDATE (resolve_lock), so it waits for a claim in progress
+-- and a claim waits for it. The lease is the batch's, renewed by the
+-- heartbeat. The fence and attempt returned are those of this attempt: the
+-- settle writes them.
 -- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
 -- a bound on the candidates: only the oldest few pending messages are looked
 -- at, so a claim-ahead whose keys are all in flight gives up after a few
 -- index probes instead of reading the whole backlog. An ordinary claim has
 -- no bound, so a long queue behind one held key never hides other keys.
 WITH mine AS (
-    -- The lanes this publisher owns. FOR SHARE: a lane cannot change owner
-    -- while one of its claims runs, so two publishers never claim in one lane.
     SELECT lane
     FROM outbox.lanes
     WHERE owner = %(owner)s AND lease_expires_at > now()
     FOR SHARE
+), open AS MATERIALIZED (
+    SELECT message_ids, key_hashes FROM outbox.batches WHERE settled_at IS NULL
 ), next AS (
-    SELECT m.id
+    SELECT m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values, m.fence,
+           m.attempts, m.failures, m.send_alone, m.created_at, m.key_hash
     FROM outbox.messages AS m
     WHERE m.state = 'pending' AND m.available_at <= now()
       AND m.lane IN (SELECT lane FROM mine)
       {horizon}
-      AND (m.key IS NULL OR NOT EXISTS (
-          SELECT 1
-          FROM outbox.messages AS e
-          WHERE e.key_hash = m.key_hash AND e.seq < m.seq
-            AND e.key IS NOT NULL
-            AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
-                 OR (e.state = 'pending' AND e.failures > 0))
-            AND e.topic = m.topic AND e.key = m.key
-            AND NOT (e.state = 'pending' AND e.available_at <= now())))
+      AND m.id NOT IN (SELECT unnest(message_ids) FROM open)
+      AND (m.key IS NULL OR (
+          m.key_hash NOT IN (SELECT unnest(key_hashes) FROM open)
+          AND NOT EXISTS (
+              SELECT 1
+              FROM outbox.messages AS e
+              WHERE e.key_hash = m.key_hash AND e.seq < m.seq
+                AND e.key IS NOT NULL
+                AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
+                     OR (e.state = 'pending' AND e.failures > 0))
+                AND e.topic = m.topic AND e.key = m.key
+                AND NOT (e.state = 'pending' AND e.available_at <= now()))))
     ORDER BY m.seq
     LIMIT %(limit)s
-    FOR UPDATE OF m SKIP LOCKED
 ), batch AS (
-    INSERT INTO outbox.batches (publisher_id)
-    SELECT %(owner)s WHERE EXISTS (SELECT 1 FROM next)
+    INSERT INTO outbox.batches (publisher_id, lease_expires_at, message_ids, key_hashes)
+    SELECT %(owner)s,
+           now() + make_interval(secs => %(lease_seconds)s),
+           ARRAY(SELECT id FROM next ORDER BY seq),
+           ARRAY(SELECT DISTINCT key_hash FROM next WHERE key_hash IS NOT NULL)
+    WHERE EXISTS (SELECT 1 FROM next)
     RETURNING id, claimed_at
-), claimed AS (
-    UPDATE outbox.messages AS m
-    SET state = 'in_flight',
-        lease_owner = %(owner)s,
-        lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
-        fence = m.fence + 1,
-        attempts = m.attempts + 1,
-        batch_id = (SELECT id FROM batch),
-        kafka_partition = NULL,
-        kafka_offset = NULL,
-        updated_at = now()
-    -- An id list, not a join: the planner then looks each row up by its key
-    -- instead of hashing the whole table.
-    WHERE m.id = ANY (ARRAY(SELECT id FROM next))
-    RETURNING m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values,
-              m.fence, m.attempts, m.failures, m.send_alone, m.created_at
 )
-SELECT c.id, c.topic, c.key, c.value, c.header_names, c.header_values, c.fence, c.attempts,
-       c.failures, c.send_alone, b.id, b.claimed_at, c.created_at
-FROM claimed AS c CROSS JOIN batch AS b
-ORDER BY c.seq
+SELECT n.id, n.topic, n.key, n.value, n.header_names, n.header_values, n.fence + 1,
+       n.attempts + 1, n.failures, n.send_alone, b.id, b.claimed_at, n.created_at
+FROM next AS n CROSS JOIN batch AS b
+ORDER BY n.seq
 
 -- name: lock_batch
 -- First half of marking a batch as sending: wait for anyone (recovery) that
@@ -104,15 +100,16 @@ SELECT id FROM outbox.batches WHERE id = %(batch_id)s FOR UPDATE
 
 -- name: mark_sending
 -- Second half, same transaction, fresh snapshot: record that sending begins
--- and return the messages of the batch this publisher still holds. Recovery
--- locks the batch row too, so it either ran before (and those messages are not
--- returned) or runs after and sees send_began_at. In transactional delivery
--- the batch records the transactional.id it is sent under (NULL otherwise),
--- and the publisher row the session in use.
+-- and return the messages of the batch, if this publisher still holds it
+-- (open, its own, lease live); none otherwise. Recovery locks the batch row
+-- too, so it either ran before (and closed the batch) or runs after and sees
+-- send_began_at. In transactional delivery the batch records the
+-- transactional.id it is sent under (NULL otherwise), and the publisher row
+-- the session in use.
 WITH held AS (
-    SELECT id
-    FROM outbox.messages
-    WHERE batch_id = %(batch_id)s AND state = 'in_flight' AND lease_owner = %(owner)s
+    SELECT id, message_ids
+    FROM outbox.batches
+    WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(owner)s
       AND lease_expires_at > now()
 ), marked AS (
     UPDATE outbox.batches
@@ -127,21 +124,25 @@ WITH held AS (
                   WHERE topic = ANY(%(topics)s::text[])
                   GROUP BY topic) AS per_topic
         )
-    WHERE id = %(batch_id)s AND EXISTS (SELECT 1 FROM held)
+    WHERE id = (SELECT id FROM held)
 ), session AS (
     UPDATE outbox.publishers SET transactional_id = %(transactional_id)s
     WHERE id = %(owner)s AND transactional_id IS DISTINCT FROM %(transactional_id)s
 )
-SELECT id FROM held
+SELECT unnest(message_ids) FROM held
 
 -- name: settle_batch
--- Record the outcome of every message of a batch in one statement, together
--- with its attempt record and the highest confirmed offset per partition.
--- Only rows still in flight under the same fence change: a publisher that
--- lost its lease changes nothing. An uncertain message waits until the
--- producer that sent it can no longer write before it is reconciled: its
--- write deadline; or, sent in a transaction, none (the reconciler fences the
--- transactional.id before it reads the log).
+-- Close the batch and record the outcome of each of its messages in one
+-- statement, with the highest confirmed offset per partition. The batch is
+-- closed only if it is still open and this publisher's; otherwise (recovery
+-- closed it: the lease was lost) nothing changes. Each message row is written
+-- once: its state, where it went, this attempt's fence and count; a message
+-- that changed since the claim (its fence moved on) is left alone. An attempt
+-- that did not deliver gets an attempt row; a delivery's record is its batch.
+-- An uncertain message waits until the producer that sent it can no longer
+-- write before it is reconciled: its write deadline; or, sent in a
+-- transaction, none (the reconciler fences the transactional.id before it
+-- reads the log).
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[], %(states)s::text[],
@@ -150,37 +151,44 @@ WITH outcome AS (
                 %(failures)s::boolean[], %(send_alone)s::boolean[])
          AS o(id, fence, state, outcome, kafka_partition, kafka_offset,
               retry_after, error, send_began, counts_as_failure, send_alone)
-), batch AS (
-    SELECT claimed_at,
-           CASE WHEN transactional_id IS NULL THEN write_deadline END AS write_deadline
-    FROM outbox.batches WHERE id = %(batch_id)s
+), closed AS (
+    UPDATE outbox.batches
+    SET settled_at = now()
+    WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(publisher)s
+    RETURNING claimed_at,
+              CASE WHEN transactional_id IS NULL THEN write_deadline END AS write_deadline
 ), settled AS (
     UPDATE outbox.messages AS m
     SET state = o.state,
+        fence = o.fence,
+        attempts = m.attempts + 1,
+        batch_id = %(batch_id)s,
         kafka_partition = o.kafka_partition,
         kafka_offset = o.kafka_offset,
         delivered_at = CASE WHEN o.state = 'delivered' THEN now() END,
         available_at = CASE o.state
                            WHEN 'pending' THEN now() + make_interval(secs => o.retry_after)
-                           WHEN 'uncertain' THEN greatest(now(), (SELECT write_deadline FROM batch))
+                           WHEN 'uncertain' THEN greatest(now(), c.write_deadline)
                            ELSE m.available_at END,
         last_error = o.error,
         failures = CASE WHEN o.counts_as_failure THEN m.failures + 1 ELSE m.failures END,
         send_alone = o.send_alone,
-        lease_owner = NULL,
-        lease_expires_at = NULL,
         updated_at = now()
-    FROM outcome AS o
-    WHERE m.id = o.id AND m.fence = o.fence AND m.state = 'in_flight'
+    FROM outcome AS o, closed AS c
+    -- The id list lets the planner look each row up by its key; joined on
+    -- outcome alone, it hashed every pending row of the backlog.
+    WHERE m.id = ANY(%(ids)s::uuid[])
+      AND m.id = o.id AND m.fence = o.fence - 1 AND m.state = 'pending'
     RETURNING m.id, m.topic, m.attempts, o.fence, o.outcome, o.error, o.send_began,
-              o.kafka_partition, o.kafka_offset
+              o.kafka_partition, o.kafka_offset, c.claimed_at
 ), recorded AS (
     INSERT INTO outbox.attempts
         (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
          outcome, error, kafka_partition, kafka_offset, batch_id)
-    SELECT id, attempts, %(publisher)s, fence, (SELECT claimed_at FROM batch), send_began, now(),
+    SELECT id, attempts, %(publisher)s, fence, claimed_at, send_began, now(),
            outcome, error, kafka_partition, kafka_offset, %(batch_id)s
     FROM settled
+    WHERE outcome <> 'delivered'
 ), confirmed AS (
     INSERT INTO outbox.partition_offsets AS po (topic, kafka_partition, confirmed_offset)
     SELECT topic, kafka_partition, max(kafka_offset)
@@ -190,100 +198,68 @@ WITH outcome AS (
     ON CONFLICT (topic, kafka_partition) DO UPDATE
     SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
         updated_at = now()
-), closed AS (
-    UPDATE outbox.batches SET settled_at = now()
-    WHERE id = %(batch_id)s AND EXISTS (SELECT 1 FROM settled)
 )
 SELECT id FROM settled
 
 -- name: recover_expired_leases
--- Move messages whose lease expired, by the evidence of their batch: nothing
--- was sent (send_began_at is NULL) -> pending; sending may have begun ->
--- uncertain. Each gets an 'abandoned' attempt saying why. The batch rows are
--- locked with the messages (see mark_sending); locked rows are left for the
--- next pass.
+-- Close open batches whose lease expired and move their messages by the
+-- batch's evidence: nothing was sent (send_began_at is NULL) -> pending;
+-- sending may have begun -> uncertain. Each gets an 'abandoned' attempt
+-- saying why. The batch rows are locked (see mark_sending); locked ones are
+-- left for the next pass. The partition an earlier attempt stored is
+-- cleared: the reconciler derives this attempt's from the batch's evidence.
 WITH expired AS (
-    SELECT m.id, m.fence, m.attempts, m.lease_owner, m.lease_expires_at, m.batch_id,
-           b.claimed_at, b.send_began_at, p.heartbeat_at,
+    SELECT b.id, b.publisher_id, b.lease_expires_at, b.claimed_at, b.send_began_at,
+           b.message_ids,
            CASE WHEN b.transactional_id IS NULL THEN b.write_deadline END AS write_deadline
-    FROM outbox.messages AS m
-    JOIN outbox.batches AS b ON b.id = m.batch_id
-    LEFT JOIN outbox.publishers AS p ON p.id = m.lease_owner
-    WHERE m.state = 'in_flight' AND m.lease_expires_at < now()
-    ORDER BY m.seq
+    FROM outbox.batches AS b
+    WHERE b.settled_at IS NULL AND b.lease_expires_at < now()
+    ORDER BY b.id
     LIMIT %(limit)s
-    FOR UPDATE OF m, b SKIP LOCKED
+    FOR UPDATE OF b SKIP LOCKED
+), closed AS (
+    UPDATE outbox.batches AS b SET settled_at = now()
+    FROM expired AS e
+    WHERE b.id = e.id
 ), decided AS (
     SELECT e.*,
            CASE WHEN e.send_began_at IS NULL THEN 'pending' ELSE 'uncertain' END AS next_state,
            format('lease of publisher %%s expired at %%s (last heartbeat %%s); %%s',
-                  e.lease_owner, e.lease_expires_at, coalesce(e.heartbeat_at::text, 'never'),
+                  e.publisher_id, e.lease_expires_at, coalesce(p.heartbeat_at::text, 'never'),
                   CASE WHEN e.send_began_at IS NULL
                        THEN 'sending had not begun, so nothing was sent'
                        ELSE format('sending began at %%s, so the record may be in Kafka',
                                    e.send_began_at) END) AS reason
     FROM expired AS e
+    LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
 ), moved AS (
     UPDATE outbox.messages AS m
     SET state = d.next_state,
-        lease_owner = NULL,
-        lease_expires_at = NULL,
+        fence = m.fence + 1,
+        attempts = m.attempts + 1,
+        batch_id = d.id,
+        kafka_partition = NULL,
+        kafka_offset = NULL,
         available_at = CASE WHEN d.next_state = 'pending' THEN now()
                             ELSE greatest(now(), d.write_deadline) END,
         last_error = d.reason,
         updated_at = now()
     FROM decided AS d
-    WHERE m.id = d.id
-    RETURNING m.id
+    WHERE m.id = ANY(d.message_ids) AND m.state = 'pending'
+    RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
+              d.publisher_id, d.claimed_at, d.send_began_at, d.reason
 ), recorded AS (
     INSERT INTO outbox.attempts
         (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
          outcome, error, batch_id)
-    SELECT id, attempts, lease_owner, fence, claimed_at, send_began_at IS NOT NULL, now(),
+    SELECT id, attempts, publisher_id, fence, claimed_at, send_began_at IS NOT NULL, now(),
            'abandoned', reason, batch_id
-    FROM decided
+    FROM moved
     ON CONFLICT (message_id, attempt) DO NOTHING
 )
-SELECT d.id, d.next_state, d.attempts, d.fence, d.batch_id, d.lease_owner
-FROM decided AS d JOIN moved USING (id)
-
--- name: recover_unrecorded_leases
--- Messages in flight with an expired lease and no batch (rows written by an
--- older version or edited by hand): whether sending began is unknown, so they
--- become uncertain, with a legacy attempt that records what is known.
-WITH expired AS (
-    SELECT m.id, m.fence, m.attempts, m.lease_owner, m.lease_expires_at, m.updated_at
-    FROM outbox.messages AS m
-    WHERE m.state = 'in_flight' AND m.lease_expires_at < now()
-      AND (m.batch_id IS NULL
-           OR NOT EXISTS (SELECT 1 FROM outbox.batches AS b WHERE b.id = m.batch_id))
-    ORDER BY m.seq
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-), moved AS (
-    UPDATE outbox.messages AS m
-    SET state = 'uncertain',
-        lease_owner = NULL,
-        lease_expires_at = NULL,
-        available_at = now(),
-        last_error = format('legacy: in flight under publisher %%s with no attempt record; '
-                            'lease expired at %%s; whether sending began is unknown',
-                            e.lease_owner, e.lease_expires_at),
-        updated_at = now()
-    FROM expired AS e
-    WHERE m.id = e.id
-    RETURNING m.id, m.last_error
-), recorded AS (
-    INSERT INTO outbox.attempts
-        (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
-         outcome, error)
-    SELECT e.id, e.attempts, e.lease_owner, e.fence, e.updated_at, true, now(),
-           'abandoned', mv.last_error
-    FROM expired AS e JOIN moved AS mv USING (id)
-    ON CONFLICT (message_id, attempt) DO NOTHING
-)
-SELECT e.id, 'uncertain', e.attempts, e.fence, NULL::bigint, e.lease_owner
-FROM expired AS e JOIN moved USING (id)
+SELECT id, next_state, attempts, fence, batch_id, publisher_id
+FROM moved
+ORDER BY seq
 
 -- name: uncertain_due
 -- Uncertain messages whose producer can no longer write, with the evidence
@@ -352,11 +328,25 @@ WITH d AS (
 )
 SELECT id FROM decided
 
+-- name: resolve_lock
+-- First half of an operator's decision, in its transaction: lock the message
+-- and its lane. A claim reads its lanes FOR SHARE, so this waits for a claim
+-- in progress and holds later claims of the lane off until the decision
+-- commits; resolve_message, the next statement, then sees every batch that
+-- names the message.
+SELECT l.lane
+FROM outbox.messages AS m
+JOIN outbox.lanes AS l ON l.lane = m.lane
+WHERE m.id = %(id)s
+FOR UPDATE OF m, l
+
 -- name: resolve_message
 -- An operator's decision on one message, recorded with its reason. Only
--- messages in one of from_states move; the result says which state it was in.
+-- messages in one of from_states move (the state as outbox.message_status
+-- derives it: a pending message named by an open batch is in flight); the
+-- result says which state it was in.
 WITH target AS (
-    SELECT id, state FROM outbox.messages WHERE id = %(id)s FOR UPDATE
+    SELECT id, state FROM outbox.message_status WHERE id = %(id)s
 ), decision AS (
     SELECT %(to_state)s::text AS to_state, %(reason)s::text AS reason,
            %(partition)s::integer AS kafka_partition, %(offset)s::bigint AS kafka_offset
@@ -408,10 +398,10 @@ FROM outbox.held_keys
 ORDER BY topic, key
 
 -- name: work_left
--- Whether anything may still need a publisher: a message in flight, uncertain
--- and not yet escalated, or pending and not held back behind a message only
--- an operator can move (quarantined, or uncertain and escalated).
-SELECT EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'in_flight')
+-- Whether anything may still need a publisher: a batch open, a message
+-- uncertain and not yet escalated, or pending and not held back behind a
+-- message only an operator can move (quarantined, or uncertain and escalated).
+SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
     OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
     OR EXISTS (
         SELECT 1
@@ -430,12 +420,14 @@ SELECT EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'in_flight')
 
 -- name: seconds_until_due
 -- Seconds until the next message needs this publisher: a pending message
--- becomes claimable, a lease expires, or an uncertain message can be
--- reconciled (zero or less: now). NULL when none will. Measured by the
--- database clock, the same clock that set those times.
+-- (not in flight) becomes claimable, a batch's lease expires, or an uncertain
+-- message can be reconciled (zero or less: now). NULL when none will.
+-- Measured by the database clock, the same clock that set those times.
 SELECT extract(epoch FROM least(
-           (SELECT min(available_at) FROM outbox.messages WHERE state = 'pending'),
-           (SELECT min(lease_expires_at) FROM outbox.messages WHERE state = 'in_flight'),
+           (SELECT min(available_at) FROM outbox.messages
+            WHERE state = 'pending'
+              AND id NOT IN (SELECT message_id FROM outbox.in_flight)),
+           (SELECT min(lease_expires_at) FROM outbox.batches WHERE settled_at IS NULL),
            (SELECT min(available_at) FROM outbox.messages
             WHERE state = 'uncertain' AND escalated_at IS NULL)
        ) - clock_timestamp())::float8
@@ -451,29 +443,30 @@ INSERT INTO outbox.publishers (id, host, pid, version)
 VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)
 
 -- name: heartbeat
--- Say this publisher is alive and, when asked to, renew the leases it holds
--- that would expire soon, of the batches its loop still works on (all of
--- them when batches is NULL): a batch the loop gave up on, or never heard
--- of (its claim's answer was lost), is left to expire and to recovery. An
--- expired lease is never renewed: once expired, a message belongs to
--- recovery. Rows locked by a settle in progress are skipped (they are
--- leaving in_flight), so a heartbeat never waits on one.
+-- Say this publisher is alive and, when asked to, renew the leases that would
+-- expire soon of its open batches that its loop still works on (all of them
+-- when batches is NULL): a batch the loop gave up on, or never heard of (its
+-- claim's answer was lost), is left to expire and to recovery. An expired
+-- lease is never renewed: once expired, a batch belongs to recovery. Batch
+-- rows locked by a settle or a recovery in progress are skipped (they are
+-- being closed), so a heartbeat never waits on one. Returns how many batch
+-- leases were renewed.
 WITH alive AS (
     UPDATE outbox.publishers SET heartbeat_at = now() WHERE id = %(id)s
 ), expiring AS (
     SELECT id
-    FROM outbox.messages
-    WHERE %(renew)s AND state = 'in_flight' AND lease_owner = %(id)s
-      AND (%(batches)s::bigint[] IS NULL OR batch_id = ANY(%(batches)s::bigint[]))
+    FROM outbox.batches
+    WHERE %(renew)s AND settled_at IS NULL AND publisher_id = %(id)s
+      AND (%(batches)s::bigint[] IS NULL OR id = ANY(%(batches)s::bigint[]))
       AND lease_expires_at > now()
       AND lease_expires_at < now() + make_interval(secs => %(lease_seconds)s::float8 / 2)
     FOR UPDATE SKIP LOCKED
 ), renewed AS (
-    UPDATE outbox.messages AS m
+    UPDATE outbox.batches AS b
     SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s::float8)
     FROM expiring AS e
-    WHERE m.id = e.id
-    RETURNING m.id
+    WHERE b.id = e.id
+    RETURNING b.id
 )
 SELECT count(*) FROM renewed
 
@@ -530,14 +523,19 @@ FROM outbox.status
 
 -- name: open_status
 -- The open states per topic, for the metrics at every scrape: each is read
--- through its own partial index, so the cost follows the open messages, not
--- the delivered ones kept for retention (outbox.status counts those too).
+-- through its own partial index (in flight: from the open batches), so the
+-- cost follows the open messages, not the delivered ones kept for retention
+-- (outbox.status counts those too).
 SELECT topic, 'pending' AS state, count(*),
        extract(epoch FROM now() - min(created_at))::float8
-FROM outbox.messages WHERE state = 'pending' GROUP BY topic
+FROM outbox.messages
+WHERE state = 'pending' AND id NOT IN (SELECT message_id FROM outbox.in_flight)
+GROUP BY topic
 UNION ALL
-SELECT topic, 'in_flight', count(*), extract(epoch FROM now() - min(created_at))::float8
-FROM outbox.messages WHERE state = 'in_flight' GROUP BY topic
+SELECT m.topic, 'in_flight', count(*), extract(epoch FROM now() - min(m.created_at))::float8
+FROM outbox.in_flight AS f
+JOIN outbox.messages AS m ON m.id = f.message_id AND m.state = 'pending'
+GROUP BY m.topic
 UNION ALL
 SELECT topic, 'uncertain', count(*), extract(epoch FROM now() - min(created_at))::float8
 FROM outbox.messages WHERE state = 'uncertain' GROUP BY topic
@@ -551,25 +549,52 @@ SELECT id, seq, topic, key, state, created_at, available_at, lease_owner, lease_
        fence, attempts, failures, kafka_partition, kafka_offset, delivered_at, updated_at,
        last_error, idempotency_key, header_names, lane, batch_id, escalated_at, send_alone,
        octet_length(value) AS value_bytes
-FROM outbox.messages
+FROM outbox.message_status
 WHERE id = %(id)s
 
 -- name: message_attempts
--- Every recorded attempt of a message, with the process that made it and
--- the evidence its batch recorded (kept while the batch is).
+-- Every attempt of a message, with the process that made it and the
+-- evidence its batch recorded (kept while the batch is). A delivery writes
+-- no attempt row: its batch is its record, and it is told from there. While
+-- the message row exists it names that batch; once retention purged the
+-- message (only delivered ones are purged), the delivering batch is the last
+-- one that names it (found by reading the batches: an operator's question,
+-- not a hot path), and its partition and offset went with the row.
+WITH delivery AS (
+    SELECT m.attempts AS attempt, m.fence, m.batch_id, m.kafka_partition, m.kafka_offset
+    FROM outbox.messages AS m
+    WHERE m.id = %(id)s AND m.state = 'delivered'
+    UNION ALL
+    SELECT count(*)::integer, NULL::bigint, max(b.id), NULL::integer, NULL::bigint
+    FROM outbox.batches AS b
+    WHERE b.message_ids @> ARRAY[%(id)s::uuid]
+      AND NOT EXISTS (SELECT 1 FROM outbox.messages WHERE id = %(id)s)
+    HAVING count(*) > 0
+)
 SELECT a.attempt, a.publisher_id, p.host, p.pid, a.fence, a.batch_id, a.started_at,
        a.send_began, b.send_began_at, b.write_deadline, a.finished_at, a.outcome, a.error,
-       a.kafka_partition, a.kafka_offset
+       a.kafka_partition, a.kafka_offset, b.transactional_id
 FROM outbox.attempts AS a
 LEFT JOIN outbox.publishers AS p ON p.id = a.publisher_id
 LEFT JOIN outbox.batches AS b ON b.id = a.batch_id
 WHERE a.message_id = %(id)s
-ORDER BY a.attempt
+UNION ALL
+SELECT d.attempt, b.publisher_id, p.host, p.pid, d.fence, b.id, b.claimed_at,
+       true, b.send_began_at, b.write_deadline, b.settled_at, 'delivered', NULL,
+       d.kafka_partition, d.kafka_offset, b.transactional_id
+FROM delivery AS d
+JOIN outbox.batches AS b ON b.id = d.batch_id
+LEFT JOIN outbox.publishers AS p ON p.id = b.publisher_id
+WHERE NOT EXISTS (SELECT 1 FROM outbox.attempts AS a
+                  WHERE a.message_id = %(id)s AND a.batch_id = d.batch_id)
+ORDER BY 1
 
 -- name: message_claim
--- The claim a message is in now (its attempt record is written when it settles).
-SELECT b.id, b.publisher_id, p.host, p.pid, b.claimed_at, b.send_began_at, b.write_deadline
-FROM outbox.messages AS m
+-- The claim a message is in now (in flight), or that it is uncertain from;
+-- its attempt record is written when it settles.
+SELECT b.id, b.publisher_id, p.host, p.pid, b.claimed_at, b.send_began_at, b.write_deadline,
+       b.transactional_id
+FROM outbox.message_status AS m
 JOIN outbox.batches AS b ON b.id = m.batch_id
 LEFT JOIN outbox.publishers AS p ON p.id = b.publisher_id
 WHERE m.id = %(id)s AND m.state IN ('in_flight', 'uncertain')
@@ -583,7 +608,7 @@ ORDER BY decided_at, id
 -- name: message_holder
 -- The message holding back this message's key, if the key is held.
 SELECT h.held_by, h.state, h.reason
-FROM outbox.messages AS m
+FROM outbox.message_status AS m
 JOIN outbox.held_keys AS h ON h.topic = m.topic AND h.key = m.key
 WHERE m.id = %(id)s AND m.state = 'pending' AND h.held_by <> m.id
 
@@ -591,7 +616,7 @@ WHERE m.id = %(id)s AND m.state = 'pending' AND h.held_by <> m.id
 -- Messages in one state, oldest first; one more than asked shows there are more.
 SELECT id, topic, key, state, created_at, attempts, failures, available_at, lease_owner,
        lease_expires_at, kafka_partition, kafka_offset, delivered_at, escalated_at, last_error
-FROM outbox.messages
+FROM outbox.message_status
 WHERE state = %(state)s AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
 ORDER BY seq
 LIMIT %(limit)s
@@ -676,8 +701,9 @@ WHERE d.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
   AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id)
 
 -- name: purge_batches
--- One bounded step: batches claimed before the cutoff, except those an
--- in-flight or uncertain message still needs for recovery or reconciliation.
+-- One bounded step: closed batches claimed before the cutoff, except those
+-- an uncertain message still needs for reconciliation (an open batch is in
+-- flight: recovery needs it).
 -- Batch ids grow with their claim time, so the walk ends (NULL) at the first
 -- batch claimed after the cutoff.
 WITH scanned AS (
@@ -691,8 +717,9 @@ deleted AS (
     DELETE FROM outbox.batches AS b
     USING scanned AS s
     WHERE b.id = s.id AND s.old
+      AND b.settled_at IS NOT NULL
       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
-                      WHERE m.batch_id = b.id AND m.state IN ('in_flight', 'uncertain'))
+                      WHERE m.batch_id = b.id AND m.state = 'uncertain')
     RETURNING 1
 )
 SELECT CASE WHEN bool_and(s.old) THEN max(s.id) END, 0, (SELECT count(*) FROM deleted)
@@ -701,5 +728,6 @@ FROM scanned AS s
 -- name: count_batches_to_purge
 SELECT count(*) FROM outbox.batches AS b
 WHERE b.claimed_at < now() - %(age)s::interval
+  AND b.settled_at IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
-                  WHERE m.batch_id = b.id AND m.state IN ('in_flight', 'uncertain'))
+                  WHERE m.batch_id = b.id AND m.state = 'uncertain')

@@ -234,9 +234,11 @@ def publish_until_idle(database_url: str, kafka_bootstrap: str, **overrides: Any
 
 
 def count_by_state(database_url: str) -> dict[str, int]:
-    """Message counts by state (states with no message are left out)."""
+    """Message counts by state, in flight derived from open batches (empty states left out)."""
     with psycopg.connect(database_url) as conn:
-        rows = conn.execute("SELECT state, count(*) FROM outbox.messages GROUP BY state").fetchall()
+        rows = conn.execute(
+            "SELECT state, count(*) FROM outbox.message_status GROUP BY state"
+        ).fetchall()
     return dict(rows)
 
 

@@ -44,7 +44,7 @@ def _second_batch(database_url: str) -> tuple[int, list[tuple[object, ...]]]:
         ).fetchone() or (None, None)
         rows = conn.execute(
             "SELECT state, lease_owner IS NOT NULL, lease_expires_at > now() "
-            "FROM outbox.messages WHERE batch_id = %s",
+            "FROM outbox.message_status WHERE batch_id = %s",
             (batch_id,),
         ).fetchall()
     return int(bool(began)), rows

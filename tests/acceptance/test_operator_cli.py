@@ -69,9 +69,9 @@ def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
     retrying = _enqueue(database_url, topic, "r")
     in_flight = _enqueue(database_url, topic, "f")
     store = claiming_store(database_url)
-    batch = store.claim(10, lease_seconds=0.5)
+    batch = store.claim(1, lease_seconds=0.5)
     assert batch is not None
-    assert [m.id for m in batch.messages] == [retrying, in_flight]
+    assert [m.id for m in batch.messages] == [retrying]
     # The broker was away for the first: it waits out a long retry delay.
     failed = Settlement(
         retrying,
@@ -83,6 +83,10 @@ def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
         counts_as_failure=True,
     )
     assert store.settle(batch, [failed]) == {retrying}
+    # The second is claimed, and never settled.
+    batch = store.claim(10, lease_seconds=0.5)
+    assert batch is not None
+    assert [m.id for m in batch.messages] == [in_flight]
     dead_publisher = store.publisher_id
     store.close()  # the publisher "dies": its lanes go, its lease runs out
 
@@ -90,7 +94,8 @@ def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
     wait_until(
         lambda: fetch_rows(
             database_url,
-            "SELECT 1 FROM outbox.messages WHERE state = 'in_flight' AND lease_expires_at < now()",
+            "SELECT 1 FROM outbox.message_status "
+            "WHERE state = 'in_flight' AND lease_expires_at < now()",
         ),
         timeout=10,
         what="the in-flight lease to expire",

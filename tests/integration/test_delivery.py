@@ -44,16 +44,23 @@ def test_enqueued_message_arrives_with_key_headers_id_and_stored_location(
     with psycopg.connect(database_url) as conn:
         row = conn.execute(
             "SELECT state, kafka_partition, kafka_offset, delivered_at IS NOT NULL, fence, "
-            "attempts, lease_owner FROM outbox.messages WHERE id = %s",
+            "attempts, lease_owner FROM outbox.message_status WHERE id = %s",
             (message_id,),
         ).fetchone()
-        attempt = conn.execute(
-            "SELECT outcome, kafka_partition, kafka_offset, send_began "
-            "FROM outbox.attempts WHERE message_id = %s",
-            (message_id,),
+        attempts = conn.execute(
+            "SELECT outcome FROM outbox.attempts WHERE message_id = %s", (message_id,)
         ).fetchall()
+        # The delivery's record is its batch, closed, naming the message.
+        batch = conn.execute(
+            "SELECT b.settled_at IS NOT NULL, b.send_began_at IS NOT NULL, "
+            "b.message_ids = ARRAY[m.id] "
+            "FROM outbox.messages AS m JOIN outbox.batches AS b ON b.id = m.batch_id "
+            "WHERE m.id = %s",
+            (message_id,),
+        ).fetchone()
     assert row == ("delivered", record.partition, record.offset, True, 1, 1, None)
-    assert attempt == [("delivered", record.partition, record.offset, True)]
+    assert attempts == []
+    assert batch == (True, True, True)
 
 
 def test_rolled_back_intent_is_never_published(

@@ -1,4 +1,7 @@
-"""Claims take a lease and raise the fence; a stale fence's word changes nothing."""
+"""A claim writes only its batch; the settle closes it and raises the fence.
+
+A publisher whose batch was recovered changes nothing when it settles.
+"""
 
 from __future__ import annotations
 
@@ -19,45 +22,64 @@ def _row(database_url: str, message_id: uuid.UUID) -> tuple[object, ...]:
     with psycopg.connect(database_url) as conn:
         row = conn.execute(
             "SELECT state, fence, attempts, lease_owner, kafka_partition, kafka_offset, "
-            "lease_expires_at > now() FROM outbox.messages WHERE id = %s",
+            "lease_expires_at > now() FROM outbox.message_status WHERE id = %s",
             (message_id,),
         ).fetchone()
     assert row is not None
     return row
 
 
-def test_claim_leases_in_order_and_raises_the_fence(database_url: str) -> None:
-    """One claim statement leases the oldest pending messages, fence and attempts + 1."""
+def _message_rows(database_url: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(database_url) as conn:
+        return conn.execute("SELECT * FROM outbox.messages ORDER BY seq").fetchall()
+
+
+def test_claim_writes_one_batch_naming_its_messages_and_no_message_row(
+    database_url: str,
+) -> None:
+    """A claim leases the oldest pending messages by one batch row; their rows are not written."""
     with psycopg.connect(database_url) as conn:
         ids = outbox.enqueue_many(conn, [outbox.Message("t", f"{i}") for i in range(5)])
+    before = _message_rows(database_url)
     store = claiming_store(database_url)
     batch = store.claim(limit=3, lease_seconds=30)
     assert batch is not None
     assert [m.id for m in batch.messages] == ids[:3]
+    # This attempt's number and fence: the settle writes them.
     assert all(m.fence == 1 and m.attempt == 1 for m in batch.messages)
-    assert _row(database_url, ids[0]) == ("in_flight", 1, 1, store.publisher_id, None, None, True)
+    assert _message_rows(database_url) == before
+    with psycopg.connect(database_url) as conn:
+        claimed = conn.execute(
+            "SELECT message_ids, publisher_id, settled_at, lease_expires_at > now() "
+            "FROM outbox.batches WHERE id = %s",
+            (batch.id,),
+        ).fetchone()
+    assert claimed == (ids[:3], store.publisher_id, None, True)
+    # In flight, derived from the open batch, with the batch's lease.
+    assert _row(database_url, ids[0]) == ("in_flight", 0, 0, store.publisher_id, None, None, True)
     assert _row(database_url, ids[3])[0] == "pending"
     second = claiming_store(database_url).claim(limit=10, lease_seconds=30)
     assert second is not None
-    assert [m.id for m in second.messages] == ids[3:]  # SKIP LOCKED / state: no overlap
+    assert [m.id for m in second.messages] == ids[3:]  # an open batch's messages are not claimed
     store.close()
 
 
-def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
-    """After another publisher re-claimed a message, the old owner's confirm is ignored."""
+def test_settle_of_a_batch_recovery_closed_changes_nothing(database_url: str) -> None:
+    """Once recovery took an expired batch back and it was claimed again, the old settle is void."""
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(conn, "t", b"x")
     old = claiming_store(database_url)
     old_batch = old.claim(limit=10, lease_seconds=30)
     assert old_batch is not None
-    # The lease is taken away (as recovery does after it expires) and re-claimed.
+    # The lease expires and recovery takes the batch back (nothing was sent).
     with psycopg.connect(database_url) as conn:
         conn.execute(
-            "UPDATE outbox.messages SET state = 'pending', lease_owner = NULL, "
-            "lease_expires_at = NULL WHERE id = %s",
-            (message_id,),
+            "UPDATE outbox.batches SET lease_expires_at = now() - interval '1 second' "
+            "WHERE id = %s",
+            (old_batch.id,),
         )
     new = claiming_store(database_url)
+    assert [r.message_id for r in new.recover_expired_leases()] == [message_id]
     new_batch = new.claim(limit=10, lease_seconds=30)
     assert new_batch is not None
     assert new_batch.messages[0].fence == old_batch.messages[0].fence + 1
@@ -74,8 +96,11 @@ def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
     assert old.settle(old_batch, [stale]) == set()
     assert _row(database_url, message_id) == before
     with psycopg.connect(database_url) as conn:
-        attempts = conn.execute("SELECT count(*) FROM outbox.attempts").fetchone()
-    assert attempts == (0,)
+        attempts = conn.execute(
+            "SELECT outcome FROM outbox.attempts WHERE message_id = %s ORDER BY attempt",
+            (message_id,),
+        ).fetchall()
+    assert attempts == [("abandoned",)]  # recovery's record; nothing from the stale settle
 
     current = Settlement(
         message_id, new_batch.messages[0].fence, State.DELIVERED, "delivered", partition=2, offset=7
@@ -86,7 +111,29 @@ def test_confirm_with_a_stale_fence_changes_nothing(database_url: str) -> None:
     new.close()
 
 
-def test_settle_records_each_outcome_and_its_attempt(database_url: str) -> None:
+def test_settle_with_a_stale_fence_leaves_that_message_alone(database_url: str) -> None:
+    """A message whose row moved on since the claim (its fence changed) is not overwritten."""
+    with psycopg.connect(database_url) as conn:
+        kept, moved = outbox.enqueue_many(
+            conn, [outbox.Message("t", "a"), outbox.Message("t", "b")]
+        )
+    store = claiming_store(database_url)
+    batch = store.claim(limit=10, lease_seconds=30)
+    assert batch is not None
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.messages SET fence = fence + 5 WHERE id = %s", (moved,))
+    settlements = [
+        Settlement(m.id, m.fence, State.DELIVERED, "delivered", partition=0, offset=i)
+        for i, m in enumerate(batch.messages)
+    ]
+    assert store.settle(batch, settlements) == {kept}
+    assert _row(database_url, moved)[:3] == ("pending", 5, 0)
+    store.close()
+
+
+def test_settle_records_each_outcome_and_the_attempts_that_did_not_deliver(
+    database_url: str,
+) -> None:
     """One settle statement moves each message to its own next state with evidence."""
     with psycopg.connect(database_url) as conn:
         ids = outbox.enqueue_many(conn, [outbox.Message("t", f"{i}") for i in range(4)])
@@ -107,12 +154,13 @@ def test_settle_records_each_outcome_and_its_attempt(database_url: str) -> None:
         rows = conn.execute(
             "SELECT m.state, m.last_error, m.available_at > now() + interval '20 seconds', "
             "a.outcome, a.send_began, a.publisher_id, a.kafka_partition "
-            "FROM outbox.messages m JOIN outbox.attempts a ON a.message_id = m.id "
+            "FROM outbox.messages m LEFT JOIN outbox.attempts a ON a.message_id = m.id "
             "ORDER BY m.seq"
         ).fetchall()
     me = store.publisher_id
     assert rows == [
-        ("delivered", None, False, "delivered", True, me, 1),
+        # A delivery writes no attempt row: its batch is the record.
+        ("delivered", None, False, None, None, None, None),
         ("pending", "E1", True, "failed", False, me, None),
         ("uncertain", "E2", False, "uncertain", True, me, 2),
         ("quarantined", "E3", False, "failed", False, me, None),

@@ -79,7 +79,10 @@ def _schema_of(diff: Any) -> str | None:
 
 _CATALOG = {
     "columns": """
-        SELECT c.relname, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod),
+        SELECT c.relname,
+               -- The position among live columns (a dropped column leaves a gap in attnum).
+               row_number() OVER (PARTITION BY c.relname ORDER BY a.attnum),
+               a.attname, format_type(a.atttypid, a.atttypmod),
                a.attnotnull, a.attidentity, a.attgenerated, pg_get_expr(d.adbin, d.adrelid)
         FROM pg_attribute AS a
         JOIN pg_class AS c ON c.oid = a.attrelid AND c.relkind = 'r'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
@@ -37,3 +38,67 @@ def test_concurrent_migrations_apply_each_file_once(empty_database_url: str) -> 
     applied = [m.version for result in results for m in result]
     assert sorted(applied) == [m.version for m in load_migrations()]
     assert len(_recorded(empty_database_url)) == len(load_migrations())
+
+
+def test_0007_carries_messages_in_flight_into_their_batches(empty_database_url: str) -> None:
+    """In flight under the old model: in its open batch, pending in its row, the attempt
+    not counted yet; in flight with no batch record: uncertain, with an abandoned attempt."""
+    url = empty_database_url
+    assert [m.version for m in migrate(url, target=6)] == [1, 2, 3, 4, 5, 6]
+    owner = uuid.uuid4()
+    with psycopg.connect(url) as conn:
+        [(open_batch,)] = conn.execute(
+            "INSERT INTO outbox.batches (publisher_id) VALUES (%s) RETURNING id", (owner,)
+        )
+        [(settled_batch,)] = conn.execute(
+            "INSERT INTO outbox.batches (publisher_id, settled_at) VALUES (%s, now()) RETURNING id",
+            (owner,),
+        )
+        [(recovered_batch,)] = conn.execute(
+            "INSERT INTO outbox.batches (publisher_id) VALUES (%s) RETURNING id", (owner,)
+        )
+        ids = [uuid.uuid4() for _ in range(3)]
+        rows = [
+            # (id, key, batch, state): claimed by the open batch; legacy without a
+            # batch; and one that recovery already moved out of its batch.
+            (ids[0], b"k", open_batch, "in_flight"),
+            (ids[1], None, None, "in_flight"),
+            (ids[2], None, recovered_batch, "pending"),
+        ]
+        for message_id, key, batch, state in rows:
+            conn.execute(
+                "INSERT INTO outbox.messages (id, topic, key, value, state, batch_id, fence, "
+                "attempts, lease_owner, lease_expires_at) "
+                "VALUES (%s, 't', %s, 'v', %s, %s, 1, 1, "
+                "CASE WHEN %s = 'in_flight' THEN %s::uuid END, "
+                "CASE WHEN %s = 'in_flight' THEN now() + interval '1 minute' END)",
+                (message_id, key, state, batch, state, owner, state),
+            )
+
+    migrate(url)
+
+    with psycopg.connect(url) as conn:
+        batches = {
+            r[0]: r[1:]
+            for r in conn.execute(
+                "SELECT id, message_ids, cardinality(key_hashes), settled_at IS NULL, "
+                "lease_expires_at > now() FROM outbox.batches"
+            )
+        }
+        status = conn.execute(
+            "SELECT id, state, lease_owner, attempts, fence FROM outbox.message_status ORDER BY seq"
+        ).fetchall()
+        legacy_attempts = conn.execute(
+            "SELECT message_id, outcome, send_began FROM outbox.attempts"
+        ).fetchall()
+        in_row = conn.execute("SELECT count(*) FROM outbox.messages WHERE state = 'in_flight'")
+        assert in_row.fetchone() == (0,)
+    assert batches[open_batch] == ([ids[0]], 1, True, True)
+    assert batches[settled_batch][2] is False
+    assert batches[recovered_batch][2] is False  # closed: recovery moved its message already
+    assert status == [
+        (ids[0], "in_flight", owner, 0, 1),
+        (ids[1], "uncertain", None, 1, 1),
+        (ids[2], "pending", None, 1, 1),
+    ]
+    assert legacy_attempts == [(ids[1], "abandoned", True)]

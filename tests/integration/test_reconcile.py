@@ -63,7 +63,7 @@ def _message(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
     [row] = fetch_rows(
         database_url,
         "SELECT state, kafka_partition, kafka_offset, escalated_at IS NOT NULL, last_error "
-        "FROM outbox.messages WHERE id = %s",
+        "FROM outbox.message_status WHERE id = %s",
         message_id,
     )
     return row
@@ -498,9 +498,9 @@ def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sen
         # makes the message uncertain from the batch's evidence alone.
         with psycopg.connect(database_url) as conn:
             conn.execute(
-                "UPDATE outbox.messages SET lease_expires_at = now() - interval '1 second' "
+                "UPDATE outbox.batches SET lease_expires_at = now() - interval '1 second' "
                 "WHERE id = %s",
-                (message_id,),
+                (batch.id,),
             )
         assert [r.state for r in store.recover_expired_leases()] == [State.UNCERTAIN]
     finally:

@@ -23,10 +23,11 @@ def _enqueue(database_url: str, count: int = 1) -> list[uuid.UUID]:
 
 
 def _expire(database_url: str, *message_ids: uuid.UUID) -> None:
+    """Expire the lease of the open batches that name these messages."""
     with psycopg.connect(database_url) as conn:
         conn.execute(
-            "UPDATE outbox.messages SET lease_expires_at = now() - interval '1 second' "
-            "WHERE id = ANY(%s)",
+            "UPDATE outbox.batches SET lease_expires_at = now() - interval '1 second' "
+            "WHERE settled_at IS NULL AND message_ids && %s::uuid[]",
             (list(message_ids),),
         )
 
@@ -51,7 +52,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
     wait_until(
         lambda: fetch_rows(
             database_url,
-            "SELECT bool_and(lease_expires_at < now()) FROM outbox.messages",
+            "SELECT bool_and(lease_expires_at < now()) FROM outbox.in_flight",
         )[0][0],
         timeout=10,
         what="the leases to expire",
@@ -64,7 +65,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
     rows = fetch_rows(
         database_url,
         "SELECT state, lease_owner, lease_expires_at, available_at <= now(), last_error "
-        "FROM outbox.messages ORDER BY seq",
+        "FROM outbox.message_status ORDER BY seq",
     )
     owner = str(store.publisher_id)
     for state, lease_owner, lease_expires_at, available, last_error in rows:
@@ -101,8 +102,8 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
     _expire(database_url, message_id)
     [(lease_expiry, heartbeat)] = fetch_rows(
         database_url,
-        "SELECT m.lease_expires_at::text, p.heartbeat_at::text "
-        "FROM outbox.messages AS m JOIN outbox.publishers AS p ON p.id = m.lease_owner",
+        "SELECT b.lease_expires_at::text, p.heartbeat_at::text "
+        "FROM outbox.batches AS b JOIN outbox.publishers AS p ON p.id = b.publisher_id",
     )
 
     assert store.recover_expired_leases() == [
@@ -112,7 +113,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
         database_url,
         "SELECT m.state, m.lease_owner, m.available_at >= b.write_deadline, "
         "b.write_deadline > now(), m.last_error "
-        "FROM outbox.messages AS m JOIN outbox.batches AS b ON b.id = m.batch_id",
+        "FROM outbox.message_status AS m JOIN outbox.batches AS b ON b.id = m.batch_id",
     )
     state, lease_owner, after_deadline, deadline_ahead, last_error = row
     assert (state, lease_owner, after_deadline, deadline_ahead) == ("uncertain", None, True, True)
@@ -145,40 +146,10 @@ def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None
     other = claiming_store(database_url)
     assert other.recover_expired_leases() == []
     assert _everything(database_url) == before
-    assert fetch_rows(database_url, "SELECT state, lease_owner FROM outbox.messages") == [
+    assert fetch_rows(database_url, "SELECT state, lease_owner FROM outbox.message_status") == [
         ("in_flight", store.publisher_id)
     ]
     other.close()
-    store.close()
-
-
-def test_legacy_in_flight_row_without_a_batch_becomes_uncertain_with_a_legacy_attempt(
-    database_url: str,
-) -> None:
-    """An expired in-flight row with no batch record is made uncertain, never pending."""
-    [message_id] = _enqueue(database_url)
-    store = claiming_store(database_url)
-    assert store.claim(10, lease_seconds=30) is not None
-    with psycopg.connect(database_url) as conn:
-        conn.execute("UPDATE outbox.messages SET batch_id = NULL")
-    _expire(database_url, message_id)
-
-    assert store.recover_expired_leases() == [
-        Recovered(message_id, State.UNCERTAIN, 1, 1, None, store.publisher_id)
-    ]
-    [(state, lease_owner, last_error)] = fetch_rows(
-        database_url, "SELECT state, lease_owner, last_error FROM outbox.messages"
-    )
-    assert (state, lease_owner) == ("uncertain", None)
-    assert last_error.startswith("legacy: ")
-    assert str(store.publisher_id) in last_error
-    attempts = fetch_rows(
-        database_url,
-        "SELECT attempt, publisher_id, fence, outcome, send_began, error, batch_id "
-        "FROM outbox.attempts",
-    )
-    assert attempts == [(1, store.publisher_id, 1, "abandoned", True, last_error, None)]
-    assert store.recover_expired_leases() == []
     store.close()
 
 
@@ -215,21 +186,25 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
 
 def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None:
     """renew=True extends live leases within half a lease of expiry; renew=False only heartbeats."""
-    soon, later, expired = _enqueue(database_url, 3)
+    _enqueue(database_url, 3)
     store = claiming_store(database_url)
     store.register("test", os.getpid())
-    assert store.claim(10, lease_seconds=30) is not None
+    # One batch each: the lease is the batch's.
+    soon, later, expired = (store.claim(1, lease_seconds=30) for _ in range(3))
+    assert soon is not None
+    assert later is not None
+    assert expired is not None
     with psycopg.connect(database_url) as conn:
-        for message_id, offset in ((soon, "5"), (later, "25"), (expired, "-1")):
+        for batch, offset in ((soon, "5"), (later, "25"), (expired, "-1")):
             conn.execute(
-                "UPDATE outbox.messages "
+                "UPDATE outbox.batches "
                 "SET lease_expires_at = now() + make_interval(secs => %s::float8) WHERE id = %s",
-                (offset, message_id),
+                (offset, batch.id),
             )
         conn.execute("UPDATE outbox.publishers SET heartbeat_at = now() - interval '1 hour'")
 
-    def leases() -> dict[uuid.UUID, object]:
-        return dict(fetch_rows(database_url, "SELECT id, lease_expires_at FROM outbox.messages"))
+    def leases() -> dict[int, object]:
+        return dict(fetch_rows(database_url, "SELECT id, lease_expires_at FROM outbox.batches"))
 
     def heartbeat_age() -> float:
         return float(
@@ -246,12 +221,12 @@ def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None
 
     assert store.heartbeat(30, renew=True) == 1
     after = leases()
-    assert after[later] == before[later]
-    assert after[expired] == before[expired]
+    assert after[later.id] == before[later.id]
+    assert after[expired.id] == before[expired.id]
     [(renewed_ahead,)] = fetch_rows(
         database_url,
-        "SELECT extract(epoch FROM lease_expires_at - now()) FROM outbox.messages WHERE id = %s",
-        soon,
+        "SELECT extract(epoch FROM lease_expires_at - now()) FROM outbox.batches WHERE id = %s",
+        soon.id,
     )
     assert 25 < renewed_ahead <= 30
     store.close()

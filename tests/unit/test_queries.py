@@ -21,7 +21,7 @@ USED_NAMES = [
     "mark_sending",
     "settle_batch",
     "recover_expired_leases",
-    "recover_unrecorded_leases",
+    "resolve_lock",
     "uncertain_due",
     "decide_uncertain",
     "resolve_message",
@@ -90,8 +90,8 @@ def test_shipped_queries_define_every_name_the_code_uses(name: str) -> None:
 
 
 def test_every_query_call_in_the_code_names_a_shipped_query() -> None:
-    """Every literal query("...") in outbox/ and publisher/ names a statement of queries.sql."""
-    call = re.compile(r"""\bquery\(\s*["'](\w+)["']\s*\)""")
+    """Every literal query("...") (or the store's _sql("...")) names a statement of queries.sql."""
+    call = re.compile(r"""\b(?:query|_sql)\(\s*["'](\w+)["']\s*\)""")
     used: set[str] = set()
     for package in (outbox, publisher):
         for source in Path(str(package.__file__)).parent.glob("*.py"):
