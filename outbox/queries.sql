@@ -201,6 +201,52 @@ WITH outcome AS (
 )
 SELECT id FROM settled
 
+-- name: settle_delivered
+-- settle_batch for the common case, every message of the batch delivered:
+-- the ids come from the batch row (the claim named them, in claim order) and
+-- the publisher sends only each one's fence and where it went, in that order.
+-- Closed only if still open and this publisher's; a row is written only while
+-- it is pending under the fence before this attempt's. No attempt rows: the
+-- batch is the record of the attempt that delivered them.
+WITH closed AS (
+    UPDATE outbox.batches
+    SET settled_at = now()
+    WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(publisher)s
+    RETURNING message_ids
+), outcome AS (
+    SELECT o.id, o.fence, o.kafka_partition, o.kafka_offset
+    FROM closed AS c,
+         unnest(c.message_ids, %(fences)s::bigint[], %(partitions)s::integer[],
+                %(offsets)s::bigint[])
+             AS o(id, fence, kafka_partition, kafka_offset)
+), settled AS (
+    UPDATE outbox.messages AS m
+    SET state = 'delivered',
+        fence = o.fence,
+        attempts = m.attempts + 1,
+        batch_id = %(batch_id)s,
+        kafka_partition = o.kafka_partition,
+        kafka_offset = o.kafka_offset,
+        delivered_at = now(),
+        last_error = NULL,
+        send_alone = false,
+        updated_at = now()
+    FROM outcome AS o
+    -- The id list makes the planner look each row up by its key.
+    WHERE m.id = ANY((SELECT message_ids FROM closed)::uuid[])
+      AND m.id = o.id AND m.fence = o.fence - 1 AND m.state = 'pending'
+    RETURNING m.id, m.topic, o.kafka_partition, o.kafka_offset
+), confirmed AS (
+    INSERT INTO outbox.partition_offsets AS po (topic, kafka_partition, confirmed_offset)
+    SELECT topic, kafka_partition, max(kafka_offset)
+    FROM settled
+    GROUP BY topic, kafka_partition
+    ON CONFLICT (topic, kafka_partition) DO UPDATE
+    SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
+        updated_at = now()
+)
+SELECT id FROM settled
+
 -- name: recover_expired_leases
 -- Close open batches whose lease expired and move their messages by the
 -- batch's evidence: nothing was sent (send_began_at is NULL) -> pending;

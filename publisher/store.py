@@ -317,12 +317,16 @@ class PublisherStore:
         return {row[0] for row in rows}
 
     def settle(self, batch: Batch, settlements: Sequence[Settlement]) -> set[uuid.UUID]:
-        """Record every outcome of a batch in one statement; return the ids it changed.
+        """Close the batch and record every outcome in one statement; return the ids it changed.
 
-        A message missing from the result was not in flight under the given
-        fence any more: its lease was lost, and this publisher's word on it
-        does not count.
+        A message missing from the result was not this publisher's to settle
+        any more: recovery closed its batch after the lease expired, or its
+        row moved on since the claim (another fence). When every message of
+        the batch was delivered, the shorter ``settle_delivered`` records it.
         """
+        locations = _delivered_locations(batch, settlements)
+        if locations is not None:
+            return self.settle_delivered(batch, *locations)
         rows = self.conn.execute(
             self._sql("settle_batch"),
             {
@@ -337,6 +341,29 @@ class PublisherStore:
                 "send_began": array_literal(s.send_began for s in settlements),
                 "failures": array_literal(s.counts_as_failure for s in settlements),
                 "send_alone": array_literal(s.send_alone for s in settlements),
+                "publisher": self.publisher_id,
+                "batch_id": batch.id,
+            },
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    def settle_delivered(
+        self, batch: Batch, partitions: Sequence[int], offsets: Sequence[int]
+    ) -> set[uuid.UUID]:
+        """Record a batch whose every message was delivered; return the ids it changed.
+
+        ``partitions`` and ``offsets`` are where each message went, in the
+        batch's claim order. What ``settle`` records for such a batch, with
+        far less to send: the batch row names the messages.
+        """
+        if len(partitions) != len(batch.messages) or len(offsets) != len(batch.messages):
+            raise ValueError("settle_delivered takes a partition and an offset per message")
+        rows = self.conn.execute(
+            self._sql("settle_delivered"),
+            {
+                "fences": array_literal(m.fence for m in batch.messages),
+                "partitions": array_literal(partitions),
+                "offsets": array_literal(offsets),
                 "publisher": self.publisher_id,
                 "batch_id": batch.id,
             },
@@ -407,6 +434,28 @@ _HORIZON = """AND m.seq <= (SELECT max(w.seq) FROM (
           WHERE state = 'pending' AND available_at <= now() AND lane IN (SELECT lane FROM mine)
             AND id NOT IN (SELECT unnest(message_ids) FROM open)
           ORDER BY seq LIMIT %(horizon)s) AS w)"""
+
+
+def _delivered_locations(
+    batch: Batch, settlements: Sequence[Settlement]
+) -> tuple[list[int], list[int]] | None:
+    """Each message's partition and offset, if the settlements deliver the whole batch in order."""
+    partitions: list[int] = []
+    offsets: list[int] = []
+    if len(settlements) != len(batch.messages):
+        return None
+    for s, m in zip(settlements, batch.messages, strict=True):
+        if (
+            s.state is not State.DELIVERED
+            or s.partition is None
+            or s.offset is None
+            or s.message_id != m.id
+            or s.fence != m.fence
+        ):
+            return None
+        partitions.append(s.partition)
+        offsets.append(s.offset)
+    return partitions, offsets
 
 
 def claim_statement(*, ahead: bool, template: str | None = None) -> str:

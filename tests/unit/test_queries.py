@@ -20,6 +20,7 @@ USED_NAMES = [
     "lock_batch",
     "mark_sending",
     "settle_batch",
+    "settle_delivered",
     "recover_expired_leases",
     "resolve_lock",
     "uncertain_due",
