@@ -95,10 +95,10 @@ ORDER BY i;
 INSERT INTO outbox.attempts
     (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at, outcome,
      error, kafka_partition, kafka_offset, batch_id)
-SELECT id, 1, %(publisher)s, 1, created_at, true, updated_at,
-       CASE state WHEN 'delivered' THEN 'delivered' ELSE 'failed' END,
+SELECT id, 1, %(publisher)s, 1, created_at, true, updated_at, 'failed',
        last_error, kafka_partition, kafka_offset, batch_id
-FROM outbox.messages;
+FROM outbox.messages
+WHERE state = 'quarantined';
 
 INSERT INTO outbox.partition_offsets (topic, kafka_partition, confirmed_offset)
 SELECT topic, kafka_partition, max(kafka_offset)

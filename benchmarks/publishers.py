@@ -94,13 +94,14 @@ def drain(
             per_publisher = conn.execute(
                 """
                 SELECT count(*),
-                       extract(epoch FROM min(started_at) - (SELECT min(claimed_at)
-                                                            FROM outbox.batches))::float8,
-                       extract(epoch FROM max(finished_at) - min(started_at))::float8,
-                       count(DISTINCT batch_id)
-                FROM outbox.attempts
-                WHERE outcome = 'delivered'
-                GROUP BY publisher_id
+                       extract(epoch FROM min(b.claimed_at) - (SELECT min(claimed_at)
+                                                              FROM outbox.batches))::float8,
+                       extract(epoch FROM max(b.settled_at) - min(b.claimed_at))::float8,
+                       count(DISTINCT b.id)
+                FROM outbox.messages AS m
+                JOIN outbox.batches AS b ON b.id = m.batch_id
+                WHERE m.state = 'delivered'
+                GROUP BY b.publisher_id
                 ORDER BY 2
                 """
             ).fetchall()

@@ -325,7 +325,8 @@ class PublisherStore:
         the batch was delivered, the shorter ``settle_delivered`` records it.
         """
         locations = _delivered_locations(batch, settlements)
-        if locations is not None:
+        # (A store given another settle_batch, an older cycle's, keeps to it.)
+        if locations is not None and "settle_batch" not in self._statements:
             return self.settle_delivered(batch, *locations)
         rows = self.conn.execute(
             self._sql("settle_batch"),

@@ -96,7 +96,9 @@ def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_or
 
     with psycopg.connect(database_url) as conn:
         deliverers = conn.execute(
-            "SELECT count(DISTINCT publisher_id) FROM outbox.attempts WHERE outcome = 'delivered'"
+            # A delivery's record is its batch.
+            "SELECT count(DISTINCT b.publisher_id) FROM outbox.messages AS m "
+            "JOIN outbox.batches AS b ON b.id = m.batch_id WHERE m.state = 'delivered'"
         ).fetchone()
         owners = conn.execute(
             "SELECT count(*) FROM outbox.lanes WHERE owner IS NOT NULL"
