@@ -9,10 +9,14 @@ to the same broker with the same producer settings (idempotent, acks=all):
   -> confirmation stored). The clock runs from the publisher's start until
   the last confirmation is stored. It runs with the default sink
   (kafka-python) and, when confluent-kafka is installed, with
-  ``--sink confluent`` too;
+  ``--sink confluent`` too, and in transactional delivery with kafka-python
+  (judged against the idempotent run: target 0.8);
 * database cycle alone: the publisher's statements for the same backlog
   (claim, mark sending, settle), one after the other, with nothing sent:
-  what bounds one publisher's rate on this machine.
+  what bounds one publisher's rate on this machine; and the same for the
+  cycle before migration 0007 (``baseline_cycle.sql``, on a database at
+  schema version 6), which wrote every message three times (target: today's
+  at least twice as fast).
 
 They are interleaved for several rounds on fresh topics and databases, so
 the noise of a shared machine hits all alike; the ratio of the medians, end
@@ -55,6 +59,8 @@ from publisher.store import PublisherStore, Settlement
 TARGET = 0.85
 #: The database cycle against the cycle before 0007, measured in the same run.
 CYCLE_GAIN_TARGET = 2.0
+#: Transactional delivery end to end against idempotent, same sink, same run.
+TRANSACTIONAL_TARGET = 0.8
 
 
 def bare_producer(bootstrap: str, records: list[outbox.Message]) -> float:
@@ -106,15 +112,20 @@ def end_to_end(
     records: list[outbox.Message],
     batch_size: int,
     sink: str = "kafka-python",
+    *,
+    delivery: str = "idempotent",
 ) -> Run:
-    """A publisher (with ``sink``) delivers and confirms every pending record; how long it took.
+    """A publisher (with ``sink``, in ``delivery`` mode) delivers and confirms every pending
+    record; how long it took.
 
     The CPU time is this process's: the publisher's threads (and librdkafka's).
     """
     topic = new_topic(bootstrap)
     try:
         with temporary_database(database_url, "outbox_bench") as (_, url):
-            publisher = publisher_on_backlog(url, bootstrap, topic, records, batch_size, sink=sink)
+            publisher = publisher_on_backlog(
+                url, bootstrap, topic, records, batch_size, sink=sink, delivery=delivery
+            )
             cpu, start = time.process_time(), time.perf_counter()
             totals = publisher.run()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -123,7 +134,9 @@ def end_to_end(
                     "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'"
                 ).fetchone()
             if delivered != (len(records),) or totals.delivered != len(records):
-                raise SystemExit(f"{sink}: delivered {delivered}, expected {len(records)}")
+                raise SystemExit(
+                    f"{sink}, {delivery}: delivered {delivered}, expected {len(records)}"
+                )
             return Run(elapsed, cpu, totals.batches)
     finally:
         delete_topic(bootstrap, topic)
@@ -201,6 +214,7 @@ def main() -> None:
     e2e_rates: dict[str, list[float]] = {sink: [] for sink in sinks}
     cycle_rates: list[float] = []
     baseline_rates: list[float] = []
+    txn_rates: list[float] = []
     for round_no in range(1, args.rounds + 1):
         bare = args.messages / bare_producer(bootstrap, records)
         bare_rates.append(bare)
@@ -212,6 +226,14 @@ def main() -> None:
                 f"end to end ({sink}) {e2e_rates[sink][-1]:,.0f} msg/s, "
                 f"ratio {e2e_rates[sink][-1] / bare:.2f}"
             )
+        txn = end_to_end(
+            database_url, bootstrap, records, args.batch_size, delivery="transactional"
+        )
+        txn_rates.append(args.messages / txn.seconds)
+        line.append(
+            f"transactional (kafka-python) {txn_rates[-1]:,.0f} msg/s, "
+            f"{txn_rates[-1] / e2e_rates['kafka-python'][-1]:.2f} of idempotent"
+        )
         cycle_rates.append(args.messages / database_cycle(database_url, records, args.batch_size))
         baseline_rates.append(
             args.messages / database_cycle(database_url, records, args.batch_size, baseline=True)
@@ -226,6 +248,7 @@ def main() -> None:
     e2e_median = {sink: statistics.median(rates) for sink, rates in e2e_rates.items()}
     cycle_median = statistics.median(cycle_rates)
     baseline_median = statistics.median(baseline_rates)
+    txn_ratio = statistics.median(txn_rates) / e2e_median["kafka-python"]
     ratio = {sink: rate / bare_median for sink, rate in e2e_median.items()}
     record_results(
         "throughput",
@@ -245,6 +268,9 @@ def main() -> None:
             "database_cycle_before_0007_msgs_per_s": [round(r) for r in baseline_rates],
             "database_cycle_gain_over_before_0007": round(cycle_median / baseline_median, 3),
             "database_cycle_gain_target": CYCLE_GAIN_TARGET,
+            "transactional_msgs_per_s": [round(r) for r in txn_rates],
+            "transactional_over_idempotent": round(txn_ratio, 3),
+            "transactional_target": TRANSACTIONAL_TARGET,
             "target": TARGET,
         },
     )
@@ -252,6 +278,11 @@ def main() -> None:
         f"medians: bare producer {bare_median:,.0f} msg/s; "
         + "; ".join(f"end to end ({sink}) {rate:,.0f}" for sink, rate in e2e_median.items())
         + f"; database cycle alone {cycle_median:,.0f} (the bound on one publisher here)"
+    )
+    print(
+        f"transactional / idempotent end to end (kafka-python): {txn_ratio:.2f} "
+        f"({'met' if txn_ratio >= TRANSACTIONAL_TARGET else 'MISSED'}, "
+        f"target {TRANSACTIONAL_TARGET})"
     )
     gain = cycle_median / baseline_median
     print(

@@ -40,6 +40,9 @@ class KafkaFencer:
             transactional_id=transactional_id,
             max_block_ms=self._timeout_ms,
             request_timeout_ms=self._timeout_ms,
+            # Else a broker that cannot be reached holds the fence (and the
+            # loop that tries it) for kafka-python's default, 30 s.
+            bootstrap_timeout_ms=self._timeout_ms,
         )
         try:
             producer.init_transactions()

@@ -291,7 +291,6 @@ class Publisher:
                 self._settle(batch, [self._release(m) for m in batch.messages])
                 return len(batch.messages)
             settlements = self._send(batch)
-            self.faults.reached("after_ack")
             self._settle(batch, settlements)
         finally:
             # Settled, or given up on (an error on the way): either way its
@@ -357,6 +356,9 @@ class Publisher:
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
         created = {m.id: m.created_at for m in sendable}
         sent, unsent = self._send_in_order(records, alone, keys, created, window)
+        # The broker answered every record; nothing is recorded (or, in a
+        # transaction, committed) yet.
+        self.faults.reached("after_ack")
         end = None
         if self._transactional and sendable:
             end = self._end_transaction(batch, sent)
