@@ -86,6 +86,11 @@ class PublisherConfig:
     #: ``transactional``: each batch in a Kafka transaction, fenced by Kafka,
     #: exactly once for read_committed consumers.
     delivery: str = "idempotent"
+    #: Transactional delivery under backlog: while each batch came back full,
+    #: the next claimed batch joins the open transaction, up to this many
+    #: records (a commit costs a fixed time, so a transaction must carry
+    #: enough). A batch that came back short ends the transaction.
+    transaction_records: int = 2_000
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
     #: Address of the metrics and health endpoints.
@@ -226,6 +231,7 @@ class PublisherConfig:
                 f"delivered after ({self.purge_delivered_after}): evidence outlives its message",
             )
         for name, least in (
+            ("transaction_records", 1),
             ("linger_ms", 0),
             ("max_block_ms", 1),
             ("request_timeout_ms", 1),
@@ -408,6 +414,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("delivery", str, "idempotent, or transactional: each batch in a Kafka transaction "
             "that Kafka fences, exactly once for read_committed consumers", "Kafka producer",
             normalise="lower", metavar="MODE"),
+    Setting("transaction_records", int, "transactional delivery under backlog: full batches "
+            "join one transaction up to this many records", "Kafka producer", metavar="N"),
     Setting("http_host", str, "address of /metrics, /healthz and /readyz", "metrics and health "
             "over HTTP", metavar="HOST"),
     Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",

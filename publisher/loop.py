@@ -277,28 +277,32 @@ class Publisher:
     # --- one batch ----------------------------------------------------------
 
     def run_once(self) -> int:
-        """Claim, send and settle one batch; return how many messages it claimed."""
+        """Claim, send and settle one batch (in transactional delivery under backlog, the
+        full batches that joined its transaction too); return how many messages it claimed.
+        """
         started = self._clock()
         self._failure_class.clear()
         batch = self._take_claim()
         if batch is None:
             return 0
         self._hold(batch)
+        in_hand = [batch]
         try:
             self._progress()
             self.faults.reached("after_claim")
             if self._stopping.is_set():
                 self._settle(batch, [self._release(m) for m in batch.messages])
                 return len(batch.messages)
-            settlements = self._send(batch)
-            self._settle(batch, settlements)
+            for sent, settlements in self._send(batch, in_hand):
+                self._settle(sent, settlements)
         finally:
-            # Settled, or given up on (an error on the way): either way its
+            # Settled, or given up on (an error on the way): either way their
             # leases are no longer renewed; recovery takes what is left.
-            self._let_go(batch)
+            for held in in_hand:
+                self._let_go(held)
         self.metrics.batch_seconds.observe(max(self._clock() - started, 0.0))
         self.faults.reached("after_confirm")
-        return len(batch.messages)
+        return sum(len(b.messages) for b in in_hand)
 
     def held_batches(self) -> list[int]:
         """The batches this loop still works on: the heartbeat renews only their leases."""
@@ -315,8 +319,36 @@ class Publisher:
         with self._held_lock:
             self._held.discard(batch.id)
 
-    def _send(self, batch: Batch) -> list[Settlement]:
-        """Send what this publisher still holds of the batch; one settlement per message."""
+    def _send(self, batch: Batch, in_hand: list[Batch]) -> list[tuple[Batch, list[Settlement]]]:
+        """Send what this publisher still holds of the batch; each batch's settlements.
+
+        In transactional delivery the batch is sent in a Kafka transaction,
+        and under backlog the next claimed batches join it (``_joining``),
+        each appended to ``in_hand`` as it does; the transaction is committed
+        once, if every record of every batch was confirmed. A fenced
+        transaction settles nothing.
+        """
+        parts = [self._hand_over(batch, begin=self._transactional)]
+        while (joining := self._joining(parts)) is not None:
+            in_hand.append(joining)
+            parts.append(self._hand_over(joining, begin=False))
+        # The broker answered every record; nothing is recorded (or, in a
+        # transaction, committed) yet.
+        self.faults.reached("after_ack")
+        end = None
+        if any(p.began for p in parts):
+            end = self._end_transaction([p.batch for p in parts], parts)
+            if end is TransactionEnd.FENCED:
+                return []  # a zombie's word on the batches is not recorded
+            self.faults.reached("after_commit")
+        return [(p.batch, self._settlements(p, end)) for p in parts]
+
+    def _hand_over(self, batch: Batch, *, begin: bool) -> _HandOver:
+        """Mark the batch as sending and send what this publisher still holds of it.
+
+        With ``begin``, a Kafka transaction is begun first (if anything is to
+        be sent); a batch that joins an open transaction is sent into it.
+        """
         counts, refused = self._describe_topics(batch)
         sendable = [m for m in batch.messages if m.id not in refused]
         held = {m.id for m in batch.messages}
@@ -325,14 +357,25 @@ class Publisher:
         window = SendWindow.from_now(
             self.config.hand_over_seconds, self.config.write_deadline_seconds
         )
-        if sendable and self._transactional:
+        began = False
+        if sendable and begin:
             try:
                 # Opens the session (init_transactions) whose id the mark records.
                 self.sink.begin_transaction()
             except Exception as exc:  # noqa: BLE001 - nothing was sent: each settles pending
                 self.health.kafka.failed(exc)
                 report = SendReport(None, None, exc, handed_to_producer=False)
-                return [self._settlement(m, report, None) for m in batch.messages]
+                return _HandOver(
+                    batch,
+                    refused,
+                    held,
+                    [],
+                    {},
+                    {},
+                    began=False,
+                    settled=[self._settlement(m, report, None) for m in batch.messages],
+                )
+            began = True
         if sendable:
             held = self.store.mark_sending(
                 batch, counts, self.config.write_deadline_seconds, self.sink.transactional_id
@@ -356,25 +399,57 @@ class Publisher:
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
         created = {m.id: m.created_at for m in sendable}
         sent, unsent = self._send_in_order(records, alone, keys, created, window)
-        # The broker answered every record; nothing is recorded (or, in a
-        # transaction, committed) yet.
-        self.faults.reached("after_ack")
-        end = None
-        if self._transactional and sendable:
-            end = self._end_transaction(batch, sent)
-            if end is TransactionEnd.FENCED:
-                return []  # a zombie's word on the batch is not recorded
-            self.faults.reached("after_commit")
-        suspects = _shared_refusals(sent)
+        return _HandOver(batch, refused, held, records, sent, unsent, began=began)
+
+    def _joining(self, parts: list[_HandOver]) -> Batch | None:
+        """The next claimed batch, if it is to join the open transaction; else None.
+
+        Only under backlog (the last batch came back full, and so did the one
+        claimed ahead of it), while every record so far was confirmed (else
+        the transaction is aborted anyway), and up to ``transaction_records``
+        records: a commit costs a fixed time, so a transaction must carry
+        enough records, but a batch that waits for later ones to commit waits
+        longer. At a low rate batches come back short and commit one by one.
+        """
+        if (
+            not any(p.began for p in parts)
+            or self._stopping.is_set()
+            or len(parts[-1].batch.messages) < self.config.batch_size
+            or sum(len(p.sent) for p in parts) + self.config.batch_size
+            > self.config.transaction_records
+            or any(not p.clean for p in parts)
+            or self._ahead is None
+        ):
+            return None
+        ahead, self._ahead = self._ahead, None
+        try:
+            batch = ahead.result()
+        except psycopg.Error as exc:
+            # Commit what is in hand; the next claim meets the database's
+            # trouble again, in the loop, where it is handled.
+            log.warning("claiming ahead failed: %s", exc)
+            return None
+        self._ahead_paused = batch is None or len(batch.messages) < self.config.batch_size
+        if batch is not None and len(batch.messages) < self.config.batch_size:
+            # No backlog after all: it waits for the next turn, on its own.
+            self._ahead = _done(batch)
+            return None
+        return batch
+
+    def _settlements(self, part: _HandOver, end: TransactionEnd | None) -> list[Settlement]:
+        """One settlement per message of the part's batch still held, by its outcome."""
+        if part.settled is not None:
+            return part.settled
+        suspects = _shared_refusals(part.sent)
+        to_send = {r.message_id for r in part.records}
         settlements = []
-        to_send = {r.message_id for r in records}
-        for m in batch.messages:
-            if m.id in refused and m.id in held:
-                settlements.append(refused[m.id])
-            elif m.id in to_send and m.id not in sent:
-                settlements.append(_unsent(m, unsent.get(m.id, HELD_BACK)))
-            elif m.id in sent:
-                record, report = sent[m.id]
+        for m in part.batch.messages:
+            if m.id in part.refused and m.id in part.held:
+                settlements.append(part.refused[m.id])
+            elif m.id in to_send and m.id not in part.sent:
+                settlements.append(_unsent(m, part.unsent.get(m.id, HELD_BACK)))
+            elif m.id in part.sent:
+                record, report = part.sent[m.id]
                 settlements.append(
                     self._settlement(
                         m, report, record.partition, shared=m.id in suspects, transaction=end
@@ -382,17 +457,15 @@ class Publisher:
                 )
         return settlements
 
-    def _end_transaction(
-        self, batch: Batch, sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]
-    ) -> TransactionEnd:
-        """Commit the batch's transaction if Kafka confirmed every record sent, else abort it.
+    def _end_transaction(self, batches: list[Batch], parts: list[_HandOver]) -> TransactionEnd:
+        """Commit the transaction if Kafka confirmed every record sent, else abort it.
 
         A session fenced by another producer with its transactional.id (a
-        successor recovered this batch while this process was frozen or
-        starved) is a zombie: nothing of the batch is recorded, and the next
-        batch starts a new session.
+        successor recovered a batch while this process was frozen or
+        starved) is a zombie: nothing of its batches is recorded, and the
+        next batch starts a new session.
         """
-        reports = [report for _, report in sent.values()]
+        reports = [report for p in parts for _, report in p.sent.values()]
         fenced = any(isinstance(r.error, FENCING_ERRORS) for r in reports)
         if fenced:
             self.sink.discard_producer()
@@ -400,19 +473,21 @@ class Publisher:
         else:
             commit = bool(reports) and all(r.error is None for r in reports)
             end = self.sink.end_transaction(commit=commit)
+        ids = ", ".join(str(b.id) for b in batches)
         if end is TransactionEnd.FENCED:
-            self.totals.stale += len(batch.messages)
-            self.metrics.lease_losses.labels("fenced").inc(len(batch.messages))
+            lost = sum(len(b.messages) for b in batches)
+            self.totals.stale += lost
+            self.metrics.lease_losses.labels("fenced").inc(lost)
             log.error(
-                "batch %d: this producer session was fenced: another publisher took its "
+                "batch %s: this producer session was fenced: another publisher took its "
                 "transactional.id over (this process was frozen or starved past its lease); "
                 "nothing of the batch is recorded by this publisher",
-                batch.id,
-                extra={"batch_id": batch.id},
+                ids,
+                extra={"batch_id": batches[0].id},
             )
         elif end is not TransactionEnd.COMMITTED or not reports:
             log.warning(
-                "batch %d: transaction %s", batch.id, end.value, extra={"batch_id": batch.id}
+                "batch %s: transaction %s", ids, end.value, extra={"batch_id": batches[0].id}
             )
         return end
 
@@ -853,6 +928,43 @@ def _groups(records: list[OutgoingRecord], alone: set[uuid.UUID]) -> list[list[O
     if current:
         groups.append(current)
     return groups
+
+
+@dataclass
+class _HandOver:
+    """One batch's part of a send: what was handed over, and what the broker said."""
+
+    batch: Batch
+    #: Settlements of messages whose topic the broker refused to describe.
+    refused: dict[uuid.UUID, Settlement]
+    #: The batch's messages this publisher still held when sending began.
+    held: set[uuid.UUID]
+    records: list[OutgoingRecord]
+    sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]
+    #: Why each record not handed over was not.
+    unsent: dict[uuid.UUID, str]
+    #: Whether this batch began the Kafka transaction.
+    began: bool = False
+    #: Its settlements, already known (the transaction could not begin).
+    settled: list[Settlement] | None = None
+
+    @property
+    def clean(self) -> bool:
+        """Every record of the batch was handed over and confirmed."""
+        return (
+            self.settled is None
+            and not self.refused
+            and not self.unsent
+            and len(self.sent) == len(self.records)
+            and all(report.error is None for _, report in self.sent.values())
+        )
+
+
+def _done(batch: Batch | None) -> Future[Batch | None]:
+    """A finished future holding ``batch`` (a claim made ahead and put back)."""
+    future: Future[Batch | None] = Future()
+    future.set_result(batch)
+    return future
 
 
 HELD_BACK = "not sent: an earlier message of its key in the batch was not delivered"

@@ -800,3 +800,99 @@ def test_a_record_refused_as_fenced_ends_the_batch_unrecorded() -> None:
     assert "discard_producer" in events
     assert "commit" not in events
     assert store.settled == []
+
+
+def _numbered(number: int, *messages: ClaimedMessage) -> Batch:
+    return replace(_batch(*messages), id=number)
+
+
+def _backlog(
+    batches: Sequence[Batch | None], *, transaction_records: int = 6
+) -> tuple[list[str], FakeStore, FakeSink, Publisher]:
+    """A transactional publisher (batches of 2) whose first batch is claimed on its
+    connection and the next ones ahead, on another, while each is sent."""
+    config = replace(TRANSACTIONAL, batch_size=2, transaction_records=transaction_records)
+    events: list[str] = []
+    store = FakeStore(events, [_numbered(1, _message(key=b"a"), _message(key=b"b"))])
+    ahead = FakeStore([], batches)
+    sink = FakeSink(events)
+    return events, store, sink, _publisher(store, sink, config, claim_ahead_store=ahead)
+
+
+def test_under_backlog_full_batches_join_one_transaction_up_to_its_size() -> None:
+    """Each batch came back full: the next joins the transaction (marked under the same
+    session) until transaction_records; one commit, then each batch settles delivered."""
+    events, store, _sink, publisher = _backlog(
+        [
+            _numbered(2, _message(key=b"c"), _message(key=b"d")),
+            _numbered(3, _message(key=b"e"), _message(key=b"f")),
+            _numbered(4, _message(key=b"g"), _message(key=b"h")),  # beyond 6 records
+        ]
+    )
+    try:
+        assert publisher.run_once() == 6
+        assert publisher._ahead is not None
+        publisher._ahead.result()
+        assert publisher.held_batches() == [4]  # claimed ahead for the next turn
+    finally:
+        publisher._release_claimed_ahead()
+
+    assert events.count("begin") == 1
+    assert events.count("commit") == 1
+    assert events.index("commit") < events.index("settle")
+    assert store.transactional_ids == ["outbox-test-1"] * 3
+    delivered, released = store.settled[:3], store.settled[3]
+    assert [[s.state for s in settled] for settled in delivered] == [[State.DELIVERED] * 2] * 3
+    assert [s.attempt_outcome for s in released] == ["abandoned"] * 2  # released on stop
+
+
+def test_a_short_batch_claimed_ahead_ends_the_transaction_and_goes_next_on_its_own() -> None:
+    """No backlog after all: commit what is in hand; the short batch is the next turn's."""
+    events, store, _sink, publisher = _backlog([_numbered(2, _message(key=b"c")), None])
+    try:
+        assert publisher.run_once() == 2
+        assert events.count("commit") == 1
+        assert publisher.held_batches() == [2]  # claimed ahead, not sent yet
+        assert publisher.run_once() == 1  # a transaction of its own
+    finally:
+        publisher._release_claimed_ahead()
+    assert events.count("commit") == 2
+    assert [len(settled) for settled in store.settled] == [2, 1]
+
+
+def test_a_record_that_failed_in_a_joined_batch_aborts_every_batch_of_the_transaction() -> None:
+    """Abort: the confirmed records of the earlier batch go back unsent too, none counted."""
+    failed, later = _message(key=b"c"), _message(key=b"d")
+    events, store, sink, publisher = _backlog([_numbered(2, failed, later), None])
+    sink.reports = {
+        failed.id: SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True)
+    }
+    try:
+        publisher.run_once()
+    finally:
+        publisher._release_claimed_ahead()
+
+    assert "abort" in events
+    assert "commit" not in events
+    first, joined = store.settled
+    assert [(s.state, s.attempt_outcome, s.counts_as_failure) for s in first] == [
+        (State.PENDING, "abandoned", False)
+    ] * 2
+    by_id = {s.message_id: s for s in joined}
+    assert by_id[failed.id].counts_as_failure
+    assert by_id[later.id].state is State.PENDING  # not sent into a doomed transaction
+    assert not by_id[later.id].counts_as_failure
+
+
+def test_an_idempotent_publisher_settles_each_batch_on_its_own() -> None:
+    """Joining is for transactions only: in the default mode, one batch per turn."""
+    config = replace(CONFIG, batch_size=2)
+    events: list[str] = []
+    store = FakeStore(events, [_numbered(1, _message(key=b"a"), _message(key=b"b"))])
+    ahead = FakeStore([], [_numbered(2, _message(key=b"c"), _message(key=b"d")), None])
+    publisher = _publisher(store, FakeSink(events), config, claim_ahead_store=ahead)
+    try:
+        assert publisher.run_once() == 2
+        assert len(store.settled) == 1
+    finally:
+        publisher._release_claimed_ahead()
