@@ -317,12 +317,17 @@ def test_inspect_tells_each_message_story_and_the_next_safe_action(
     records = read_topic(kafka_bootstrap, scene.topic)
     [record] = [r for r in records if r.outbox_id == scene.delivered[0]]
     assert delivered["held_behind"] is None
+    # A delivery writes no attempt row; inspect tells it from its batch, as an attempt.
     [attempt] = delivered["attempts"]
     assert (attempt["outcome"], attempt["kafka_partition"], attempt["kafka_offset"]) == (
         "delivered",
         record.partition,
         record.offset,
     )
+    assert (attempt["attempt"], attempt["fence"], attempt["transactional_id"]) == (1, 1, None)
+    assert attempt["publisher_id"] is not None
+    assert attempt["batch_id"] is not None
+    assert [e["event"] for e in delivered["timeline"]][-1] == "attempt 1 delivered"
 
     # An operator decision joins the timeline with its reason.
     decided = run_outbox_cli(scene.url, "discard", str(scene.quarantined), "--reason", "too big")
