@@ -251,6 +251,10 @@ class KafkaSink:
         self._transactional_id: str | None = None
 
     def _get_producer(self) -> Any:
+        if self._guard is not None and self._guard.tripped:
+            # The guard closed this producer after its batch was answered (a
+            # late write of a batch left armed): start a fresh one.
+            self.discard_producer()
         if self._producer is None:
             c = self._config
             transactional_id = None
@@ -436,9 +440,16 @@ class KafkaSink:
         if tripped:
             self.discard_producer()  # closed by the guard: the next send starts a fresh one
         elif self._guard is not None and all(
-            isinstance(e, SendReport) or e.is_done for e in in_flight.entries
+            isinstance(e, SendReport) or (e.is_done and e.succeeded()) for e in in_flight.entries
         ):
-            self._guard.disarm()  # nothing of the batch is left to write
+            # Only a batch the broker confirmed whole is out of the producer.
+            # A future that failed proves nothing about its bytes: kafka-python's
+            # sender expires the batches it has just drained and then writes
+            # them all the same, in the same turn, so disarming on a failed
+            # future would let that write through after the deadline. Such a
+            # producer is discarded next (the outcome is uncertain), and the
+            # guard stays armed until then.
+            self._guard.disarm()
         return reports
 
     def discard_producer(self) -> None:

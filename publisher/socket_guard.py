@@ -75,7 +75,11 @@ class SocketGuard:
         self._window = window
 
     def disarm(self) -> None:
-        """The armed batch is answered: the producer holds none of its bytes any more."""
+        """The armed batch was confirmed whole: the producer holds none of its bytes any more.
+
+        Never after a record of it failed: kafka-python completes a batch's
+        future (an expiry) and may still write the batch in the same turn.
+        """
         self._window = None
 
     def may_write(self) -> bool:

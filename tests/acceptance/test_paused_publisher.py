@@ -129,10 +129,11 @@ def test_zombie_frozen_before_its_producer_sent_writes_nothing_when_it_wakes(
     # met the socket, and after the exit nothing of it can write any more.
     stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
     assert zombie.returncode == 0, stderr
-    # Which stops the batch first depends on the wake-up's timing: the guard
-    # at the socket, or kafka-python expiring it before it reached one
-    # (test_write_deadline.py proves the guard alone). Either way the zombie
-    # wrote nothing, and its uncertain outcome changes nothing.
+    # On waking, kafka-python's sender drains the lingering batches, expires
+    # them (their delivery timeout is long past: the futures fail, "Expiring
+    # ...") and still writes them, in the same turn. The expiry proves nothing:
+    # only the guard, still armed because no record was confirmed, stops that
+    # write. The zombie writes nothing, and its uncertain outcome changes nothing.
     assert "is stale, the outcome uncertain changed nothing" in stderr
 
     copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
