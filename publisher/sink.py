@@ -209,6 +209,15 @@ class _KafkaInFlight:
         return len(self.entries)
 
 
+#: Settings of a transactional kafka-python producer. A transaction begun right
+#: after the last one committed is answered CONCURRENT_TRANSACTIONS until the
+#: coordinator has written the commit's markers, and kafka-python retries it
+#: after retry_backoff_ms: at its default, 100 ms, every other transaction
+#: waited about 100 ms (p90 116 ms against 22 ms at 10 ms, 30 small
+#: transactions on one broker). 20 ms is what the Java client uses there.
+_TRANSACTIONAL_SETTINGS: dict[str, Any] = {"retry_backoff_ms": 20}
+
+
 @dataclass
 class KafkaSinkConfig:
     """Producer settings the publisher exposes; the rest are fixed on purpose."""
@@ -275,6 +284,7 @@ class KafkaSink:
                 max_request_size=c.max_request_size,
                 allow_auto_create_topics=c.allow_auto_create_topics,
                 transactional_id=transactional_id,
+                **(_TRANSACTIONAL_SETTINGS if transactional_id is not None else {}),
                 **c.extra,
             )
             # kafka-python 3.0 does not pass allow_auto_create_topics on to the
