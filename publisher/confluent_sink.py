@@ -8,6 +8,12 @@ error. Errors are translated by ``publisher.outcomes.from_librdkafka`` into
 the exceptions ``classify`` already knows, so both sinks' records end in
 the same outcomes; a record whose callback has not fired by the deadline is
 uncertain, as a silent future is for ``KafkaSink``.
+
+librdkafka writes from native threads that no check in this process can
+reach, so the batch's write deadline is held by librdkafka itself: every
+record's ``message.timeout.ms`` ends early enough that librdkafka has given
+up on it, and dropped it from its queues unwritten, before the deadline
+(``message_timeout_ms`` has the arithmetic).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, cast
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from kafka import errors as kafka_errors
 
+from publisher.config import ConfigError
 from publisher.outcomes import TopicMissing, TransactionEnd, from_librdkafka
 from publisher.sink import (
     InFlight,
@@ -58,6 +65,70 @@ PARTITION_COUNT_MAX_AGE = 30.0
 
 #: Errors of a topic lookup that no waiting can cure.
 _LOOKUP_REFUSALS = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.TOPIC_EXCEPTION})
+
+#: librdkafka looks for timed-out records in its queues at least once a
+#: second, and on the first turn after a pause of a second or more (a frozen
+#: process); a produce request built before that scan may still take a
+#: record whose ``message.timeout.ms`` has passed.
+_TIMEOUT_SCAN_MS = 1_000
+#: How long librdkafka lets such a request (built from a timed-out record) wait to be sent.
+_LATE_REQUEST_MS = 100
+#: The longest after its ``message.timeout.ms`` that librdkafka may still
+#: write a record: built into a request up to one scan late, that request
+#: allowed 100 ms, and, waiting in the output queue behind the requests in
+#: flight, timed out by the next scan of that queue, up to a second later.
+WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
+#: librdkafka's names for the per-record delivery timeout.
+_TIMEOUT_PROPERTIES = ("message.timeout.ms", "delivery.timeout.ms")
+
+
+def message_timeout_ms(config: KafkaSinkConfig) -> int:
+    """librdkafka's ``message.timeout.ms`` for ``config``: it gives up on every record in time.
+
+    The write deadline a batch records (``PublisherConfig.write_deadline_seconds``)
+    is, from the batch's mark::
+
+        hand-over window + max_block_ms + delivery_timeout_ms + request_timeout_ms
+
+    A record is handed over within the hand-over window, and ``produce()``
+    blocks at most ``max_block_ms`` on a full queue, so librdkafka stamps its
+    enqueue time (on the monotonic clock) at most ``hand-over window +
+    max_block_ms`` after the mark, and gives up on it ``message.timeout.ms``
+    later; after that it may still write it for ``WRITE_MARGIN_MS``. So::
+
+        message.timeout.ms + WRITE_MARGIN_MS <= delivery_timeout_ms + request_timeout_ms
+
+    It is the delivery timeout, as for kafka-python, shortened where the
+    request timeout is below the margin (2.1 s). A shorter value set in
+    ``config.extra`` is kept; a longer one, or 0 (no timeout), is refused.
+    ``send()`` checks each record's own stamp against its batch's deadline
+    (``_times_out_in_time``). Raises ``ConfigError`` naming the settings when
+    nothing is left for librdkafka.
+    """
+    allowed = config.delivery_timeout_ms + config.request_timeout_ms - WRITE_MARGIN_MS
+    timeout = min(config.delivery_timeout_ms, allowed)
+    if timeout < 1:
+        raise ConfigError(
+            f"with the confluent sink, the delivery timeout ({config.delivery_timeout_ms} ms, "
+            f"--delivery-timeout-ms) and the request timeout ({config.request_timeout_ms} ms, "
+            f"--request-timeout-ms) must add up to more than {WRITE_MARGIN_MS} ms: librdkafka "
+            f"may write a record up to {WRITE_MARGIN_MS} ms after its message.timeout.ms, and "
+            "must have given it up before the batch's write deadline"
+        )
+    for name in _TIMEOUT_PROPERTIES:
+        if name not in config.extra:
+            continue
+        value = int(config.extra[name])
+        if value == 0 or value > allowed:
+            raise ConfigError(
+                f"librdkafka property {name}={value} lets a record be written after its "
+                f"batch's write deadline: with a delivery timeout of "
+                f"{config.delivery_timeout_ms} ms (--delivery-timeout-ms) and a request "
+                f"timeout of {config.request_timeout_ms} ms (--request-timeout-ms) it must "
+                f"be between 1 and {allowed} ms"
+            )
+        timeout = value
+    return timeout
 
 
 def _exception(error: KafkaError) -> BaseException:
@@ -101,6 +172,8 @@ class ConfluentSink:
 
     def __init__(self, config: KafkaSinkConfig) -> None:
         self._config = config
+        #: Refuses, before any producer exists, a config that could write past a deadline.
+        self._message_timeout_ms = message_timeout_ms(config)
         self._producer: Producer | None = None
         #: Topic -> (partition count, monotonic time it may be used until).
         self._counts: dict[str, tuple[int, float]] = {}
@@ -125,16 +198,19 @@ class ConfluentSink:
                 "acks": "all",
                 "linger.ms": c.linger_ms,
                 "batch.size": c.batch_size,
-                # Each record is reported on within this (librdkafka's
-                # delivery.timeout.ms), retries included.
-                "message.timeout.ms": c.delivery_timeout_ms,
                 "request.timeout.ms": c.request_timeout_ms,
                 "message.max.bytes": c.max_request_size,
                 "allow.auto.create.topics": c.allow_auto_create_topics,
                 "error_cb": self._on_error,
                 "logger": librdkafka_log,
                 **c.extra,
+                # Each record is reported on within this, retries included,
+                # and none is written after its batch's write deadline (see
+                # message_timeout_ms): the one place the deadline is held.
+                "message.timeout.ms": self._message_timeout_ms,
             }
+            for alias in _TIMEOUT_PROPERTIES[1:]:
+                settings.pop(alias, None)
             transactional_id = None
             if c.transactional_id_prefix is not None:
                 self._sessions += 1
@@ -240,7 +316,14 @@ class ConfluentSink:
     def send(
         self, records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
     ) -> _ConfluentInFlight:
-        """Hand every record to the producer; a refusal is kept as its report."""
+        """Hand every record to the producer; a refusal is kept as its report.
+
+        librdkafka gives up on each record before the window's write deadline
+        (``message_timeout_ms``). A record it took too late for that (this
+        process stalled between the hand-over check and ``produce()``) is
+        purged from the queue at once, with every record still queued, and
+        nothing more is handed over.
+        """
         producer = self._get_producer()
         in_flight = _ConfluentInFlight(producer, [None] * len(records))
         refused_keys: set[tuple[str, bytes] | None] = set()
@@ -260,7 +343,46 @@ class ConfluentSink:
                     None, None, self._refusal(exc), handed_to_producer=False
                 )
                 refused_keys.add(key)
+                continue
+            if window is not None and not self._times_out_in_time(window):
+                self._purge_late(producer)
+                for later in range(index + 1, len(records)):
+                    in_flight.reports[later] = hand_over_closed()
+                break
         return in_flight
+
+    def _times_out_in_time(self, window: SendWindow) -> bool:
+        """Whether a record ``produce()`` just took is given up before the window's deadline.
+
+        librdkafka stamped it no earlier than now: its timeout ends at most
+        ``message.timeout.ms`` from now, after which it may still be written
+        for ``WRITE_MARGIN_MS``. Within the hand-over budget this always
+        holds; it fails when the process stalled (or the machine slept: the
+        wall clock) after the hand-over check, before librdkafka took it.
+        """
+        budget = (self._message_timeout_ms + WRITE_MARGIN_MS) / 1000
+        return (
+            time.monotonic() + budget <= window.write_until
+            and time.time() + budget <= window.write_until_wall
+        )
+
+    def _purge_late(self, producer: Producer) -> None:
+        """Drop what the producer still queues: a record in it could outlive its write deadline.
+
+        librdkafka would send it after its linger, so purging at once nearly
+        always wins; a request it built meanwhile is sent all the same. The
+        purged records are reported ``_PURGE_QUEUE``: uncertain, as every
+        record handed over is until the reconciler looks.
+        """
+        log.error(
+            "a record was handed to librdkafka too late to be given up before its batch's "
+            "write deadline (the process stalled while handing it over): purging what the "
+            "producer still queues, handing nothing more over"
+        )
+        try:
+            producer.purge(in_queue=True, in_flight=False, blocking=True)
+        except (KafkaException, RuntimeError) as exc:
+            log.error("could not purge the producer's queue: %s", exc)
 
     def _produce(
         self,

@@ -172,8 +172,9 @@ def test_a_producer_that_reaches_no_broker_never_reports_delivered(
         sinks,
         f"127.0.0.1:{_dead_port()}",
         linger_ms=0,
-        delivery_timeout_ms=1_500,
-        request_timeout_ms=500,
+        # librdkafka gives each record 1.5 s (2.6 + 1 - 2.1 s, message_timeout_ms).
+        delivery_timeout_ms=2_600,
+        request_timeout_ms=1_000,
         max_block_ms=300,
         # Two records fill the local queue; the third waits max_block_ms, then is refused.
         extra={"queue.buffering.max.messages": 2},
