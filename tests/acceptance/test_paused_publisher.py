@@ -2,10 +2,11 @@
 
 A lease stops two publishers from claiming the same message; it cannot stop a
 frozen ("zombie") publisher from writing to Kafka when it wakes. These tests
-show that a zombie writes no second copy in the default (idempotent) mode
-with kafka-python: a batch acknowledged before the freeze is found in Kafka
-and not resent; a batch still buffered is dropped at the socket, its write
-deadline past (docs/guarantees.md, "A zombie publisher").
+show that a zombie writes no second copy in the default (idempotent) mode:
+a batch acknowledged before the freeze is found in Kafka and not resent; a
+batch still buffered is dropped at the socket by kafka-python's producer,
+and given up by librdkafka's, its write deadline past (docs/guarantees.md,
+"A zombie publisher").
 """
 
 from __future__ import annotations
@@ -134,6 +135,49 @@ def test_zombie_frozen_before_its_producer_sent_writes_nothing_when_it_wakes(
     # ...") and still writes them, in the same turn. The expiry proves nothing:
     # only the guard, still armed because no record was confirmed, stops that
     # write. The zombie writes nothing, and its uncertain outcome changes nothing.
+    assert "is stale, the outcome uncertain changed nothing" in stderr
+
+    copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
+    assert len(copies) == TOTAL
+    assert max(copies.values()) == 1  # no duplicate
+    assert _stored_locations(database_url) == before
+
+
+def test_confluent_zombie_frozen_before_its_producer_sent_writes_nothing_when_it_wakes(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """With librdkafka, the woken producer has given its buffered batch up: nothing is written.
+
+    As above, with ``--sink confluent``, in the default mode: the publisher
+    froze with its batch still in librdkafka's queue (a one-second linger,
+    shorter than the 1.9 s librdkafka gives each record), and a successor
+    delivered the batch after its write deadline. librdkafka's timeout for
+    those records ended before the deadline, and its first turn after the
+    freeze drops timed-out records before it builds a request: they are
+    reported timed out (uncertain), and the zombie's settle changes nothing.
+    """
+    pytest.importorskip("confluent_kafka", reason="the confluent extra is not installed")
+    confluent = ("--sink", "confluent")
+    zombie = _freeze_then_take_over(
+        database_url,
+        kafka_bootstrap,
+        topic,
+        "after_send",
+        *confluent,
+        "--linger-ms",
+        "1000",
+        successor_flags=confluent,
+    )
+    before = _stored_locations(database_url)
+    with psycopg.connect(database_url) as conn:
+        proven_absent = conn.execute(
+            "SELECT count(*) FROM outbox.decisions WHERE to_state = 'pending'"
+        ).fetchone()
+    assert proven_absent == (BATCH,)
+
+    zombie.send_signal(signal.SIGCONT)
+    stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
+    assert zombie.returncode == 0, stderr
     assert "is stale, the outcome uncertain changed nothing" in stderr
 
     copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
