@@ -196,7 +196,9 @@ class ConfluentSink:
                 # Both set explicitly: the guarantees depend on them.
                 "enable.idempotence": True,
                 "acks": "all",
-                "linger.ms": c.linger_ms,
+                # librdkafka refuses a linger as long as the record's timeout
+                # (such a record would time out before it was sent): shortened.
+                "linger.ms": min(c.linger_ms, self._message_timeout_ms - 1),
                 "batch.size": c.batch_size,
                 "request.timeout.ms": c.request_timeout_ms,
                 "message.max.bytes": c.max_request_size,

@@ -90,3 +90,14 @@ def test_a_librdkafka_timeout_in_extra_that_outlasts_the_deadline_is_refused(
     """Longer than the deadline allows, or 0 (never time out): refused, naming the property."""
     with pytest.raises(ConfigError, match=rf"{name}={value} .* between 1 and 37900 ms"):
         ConfluentSink(_sink_config(DEFAULTS, **{name: value}))
+
+
+def test_a_linger_as_long_as_the_timeout_is_shortened_so_the_producer_can_be_made() -> None:
+    """librdkafka refuses linger.ms >= message.timeout.ms; the sink lingers just below it."""
+    config = replace(DEFAULTS, delivery_timeout_ms=3_000, request_timeout_ms=1_000, linger_ms=2_000)
+    assert config.problems() == []
+    sink = ConfluentSink(_sink_config(replace(config, kafka_bootstrap="127.0.0.1:1")))
+    try:
+        sink._get_producer()  # connects in the background; nothing is sent
+    finally:
+        sink.close()
