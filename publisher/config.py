@@ -31,6 +31,19 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 #: The producers a publisher can send with (``--sink``).
 SINKS = ("kafka-python", "confluent")
+#: (The confluent sink.) librdkafka looks for timed-out records in its queues at least once a
+#: second, and on the first turn after a pause of a second or more (a frozen
+#: process); a produce request built before that scan may still take a
+#: record whose ``message.timeout.ms`` has passed.
+_TIMEOUT_SCAN_MS = 1_000
+#: How long librdkafka lets such a request (built from a timed-out record) wait to be sent.
+_LATE_REQUEST_MS = 100
+#: The longest after its ``message.timeout.ms`` that librdkafka may still
+#: write a record: built into a request up to one scan late, that request
+#: allowed 100 ms, and, waiting in the output queue behind the requests in
+#: flight, timed out by the next scan of that queue, up to a second later.
+WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
+
 #: How a publisher delivers (``--delivery``); see docs/guarantees.md.
 DELIVERY_MODES = ("idempotent", "transactional")
 
@@ -249,6 +262,18 @@ class PublisherConfig:
                 "sink",
                 "sink 'confluent' needs the confluent-kafka package: "
                 "pip install 'outbox[confluent]'",
+            )
+        if (
+            self.sink == "confluent"
+            and self.delivery_timeout_ms + self.request_timeout_ms <= WRITE_MARGIN_MS
+        ):
+            problem(
+                "delivery_timeout_ms request_timeout_ms",
+                f"with the confluent sink, the delivery timeout ({self.delivery_timeout_ms} ms) "
+                f"and the request timeout ({self.request_timeout_ms} ms) must add up to more "
+                f"than {WRITE_MARGIN_MS} ms: librdkafka may write a record up to "
+                f"{WRITE_MARGIN_MS} ms after its message.timeout.ms, and must have given it "
+                "up before the batch's write deadline",
             )
         if self.delivery not in DELIVERY_MODES:
             problem(

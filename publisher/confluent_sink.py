@@ -28,7 +28,7 @@ from typing import Any, cast
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from kafka import errors as kafka_errors
 
-from publisher.config import ConfigError
+from publisher.config import WRITE_MARGIN_MS, ConfigError
 from publisher.outcomes import TopicMissing, TransactionEnd, from_librdkafka
 from publisher.sink import (
     InFlight,
@@ -66,18 +66,6 @@ PARTITION_COUNT_MAX_AGE = 30.0
 #: Errors of a topic lookup that no waiting can cure.
 _LOOKUP_REFUSALS = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.TOPIC_EXCEPTION})
 
-#: librdkafka looks for timed-out records in its queues at least once a
-#: second, and on the first turn after a pause of a second or more (a frozen
-#: process); a produce request built before that scan may still take a
-#: record whose ``message.timeout.ms`` has passed.
-_TIMEOUT_SCAN_MS = 1_000
-#: How long librdkafka lets such a request (built from a timed-out record) wait to be sent.
-_LATE_REQUEST_MS = 100
-#: The longest after its ``message.timeout.ms`` that librdkafka may still
-#: write a record: built into a request up to one scan late, that request
-#: allowed 100 ms, and, waiting in the output queue behind the requests in
-#: flight, timed out by the next scan of that queue, up to a second later.
-WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
 #: librdkafka's names for the per-record delivery timeout.
 _TIMEOUT_PROPERTIES = ("message.timeout.ms", "delivery.timeout.ms")
 

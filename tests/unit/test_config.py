@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,16 @@ def test_valid_config_passes(overrides: dict[str, Any]) -> None:
         ),
         ({"lease_seconds": 40.0}, "lease (40s) must be longer than the longest a send can take"),
         ({"lease_seconds": 10.0}, "lease (10s) must be longer"),
+        ({"transaction_records": 0}, "transaction records must be at least 1, got 0"),
+        pytest.param(
+            {"sink": "confluent", "delivery_timeout_ms": 1_500, "request_timeout_ms": 500},
+            "must add up to more than 2100 ms",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("confluent_kafka") is None,
+                reason="the confluent extra is not installed",
+            ),
+            id="confluent-timeouts",
+        ),
     ],
 )
 def test_each_invalid_setting_is_reported_on_its_own_line(

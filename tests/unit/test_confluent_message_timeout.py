@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("confluent_kafka", reason="the confluent extra is not installed")
 
-from publisher.config import ConfigError, PublisherConfig
-from publisher.confluent_sink import WRITE_MARGIN_MS, ConfluentSink, message_timeout_ms
+from publisher.config import WRITE_MARGIN_MS, ConfigError, PublisherConfig
+from publisher.confluent_sink import ConfluentSink, message_timeout_ms
 from publisher.sink import KafkaSinkConfig
 
 DEFAULTS = PublisherConfig("postgresql://localhost/outbox", "localhost:9092", sink="confluent")
@@ -64,9 +64,12 @@ def test_the_delivery_timeout_is_shortened_where_the_request_timeout_is_below_th
 
 
 def test_timeouts_that_leave_librdkafka_no_time_are_refused_naming_the_settings() -> None:
-    """Before any producer exists: the error names both settings and the margin."""
+    """Checked with the settings (exit 2 from the CLI), and again before any producer exists:
+    the error names both settings and the margin."""
     config = replace(DEFAULTS, delivery_timeout_ms=1_500, request_timeout_ms=500)
-    assert config.problems() == []  # valid for kafka-python
+    assert replace(config, sink="kafka-python").problems() == []
+    [problem] = replace(config, sink="confluent").problems()
+    assert problem.fields == {"delivery_timeout_ms", "request_timeout_ms"}
     with pytest.raises(ConfigError) as refused:
         ConfluentSink(_sink_config(config))
     text = str(refused.value)
