@@ -20,9 +20,12 @@ import psycopg
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewPartitions, NewTopic
+from kafka.errors import KafkaError
+from psycopg.rows import dict_row
 
 from outbox.states import State
 from publisher.app import build_publisher
+from publisher.config import DELIVERY_MODES as _DELIVERY_MODES
 from publisher.config import PublisherConfig
 from publisher.loop import Totals
 from publisher.partitioning import partition_for
@@ -42,6 +45,31 @@ SINKS = [
         ),
     ),
 ]
+
+#: The publisher's two delivery modes (its ``delivery`` setting), for tests
+#: whose claim holds in both.
+DELIVERY_MODES: list[str] = list(_DELIVERY_MODES)
+
+#: An absence grace no test waits out. A transactional message that a test
+#: sees decided under it was decided without the grace, as it must be.
+LONG_ABSENCE_GRACE = 3600.0
+
+
+def reads_committed(delivery: str) -> bool:
+    """Whether a test's consumer reads ``read_committed`` in ``delivery``.
+
+    A transactional publisher promises exactly once only to such consumers;
+    in idempotent delivery the consumer reads as the default clients do.
+    """
+    return delivery == "transactional"
+
+
+def delivery_flags(delivery: str) -> tuple[str, ...]:
+    """``outbox-publisher`` flags for ``delivery``: transactional delivery also gets an
+    absence grace of an hour, so that every decision a test sees was made without it."""
+    if delivery == "transactional":
+        return ("--delivery", delivery, "--absence-grace", f"{LONG_ABSENCE_GRACE:g}")
+    return ("--delivery", delivery)
 
 
 def wait_until(
@@ -200,7 +228,20 @@ def assert_each_delivered_once(
     database_url: str, kafka_bootstrap: str, topic: str, ids: Collection[uuid.UUID]
 ) -> None:
     """Every message of ``ids`` is in ``topic`` exactly once, at the location stored for it."""
-    records = read_topic(kafka_bootstrap, topic)
+    assert_each_read_once(database_url, kafka_bootstrap, topic, ids, committed=False)
+
+
+def assert_each_read_once(
+    database_url: str,
+    kafka_bootstrap: str,
+    topic: str,
+    ids: Collection[uuid.UUID],
+    *,
+    committed: bool,
+) -> None:
+    """A consumer (``read_committed`` with ``committed``) reads every message of ``ids``
+    from ``topic`` exactly once, at the location stored for it."""
+    records = read_topic(kafka_bootstrap, topic, committed=committed)
     copies = Counter(r.outbox_id for r in records)
     assert set(copies) == set(ids)
     assert max(copies.values()) == 1, [i for i, n in copies.items() if n > 1]
@@ -240,6 +281,16 @@ def count_by_state(database_url: str) -> dict[str, int]:
             "SELECT state, count(*) FROM outbox.message_status GROUP BY state"
         ).fetchall()
     return dict(rows)
+
+
+def status_line(database_url: str, state: str) -> dict[str, Any]:
+    """The line of the view ``outbox.status`` for ``state`` over all topics, by column."""
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        row = conn.execute(
+            "SELECT * FROM outbox.status WHERE topic IS NULL AND state = %s", (state,)
+        ).fetchone()
+    assert row is not None, f"no status line for {state!r}"
+    return row
 
 
 def start_publisher(
@@ -294,6 +345,29 @@ def local_services_running() -> bool:
     return (state / "kafka" / "broker.pid").exists() and (state / "postgres" / "data").exists()
 
 
+def broker_answers(bootstrap: str) -> bool:
+    """Whether the broker answers a metadata request now."""
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=bootstrap, client_id="outbox-tests", request_timeout_ms=2000
+        )
+    except KafkaError:
+        return False
+    try:
+        admin.list_topics()
+    except KafkaError:
+        return False
+    finally:
+        admin.close()
+    return True
+
+
+def start_broker_again(bootstrap: str) -> None:
+    """Start the local Kafka (``services/up kafka``) and wait until it answers at ``bootstrap``."""
+    local_service("up", "kafka")
+    wait_until(lambda: broker_answers(bootstrap), timeout=90, interval=0.5, what="Kafka to answer")
+
+
 # --- uncertain messages and their records, for recovery and reconciliation tests ---
 
 
@@ -307,12 +381,38 @@ def make_uncertain(
     ``longest_send_seconds`` away), then every message was settled uncertain
     with the partition chosen for it. Returns each message's id and partition.
     """
+    return _make_uncertain(database_url, partitions, longest_send_seconds, None)
+
+
+def make_uncertain_in_transaction(
+    database_url: str,
+    transactional_id: str,
+    *,
+    partitions: int = 3,
+    longest_send_seconds: float = 0.0,
+) -> dict[uuid.UUID, int]:
+    """``make_uncertain``, as a transactional publisher records it: the batch was sent
+    under ``transactional_id`` and its transaction's end is unknown."""
+    return _make_uncertain(database_url, partitions, longest_send_seconds, transactional_id)
+
+
+def _make_uncertain(
+    database_url: str,
+    partitions: int,
+    longest_send_seconds: float,
+    transactional_id: str | None,
+) -> dict[uuid.UUID, int]:
     store = claiming_store(database_url)
     try:
         batch = store.claim(1000, lease_seconds=30)
         assert batch is not None, "nothing pending to make uncertain"
         counts = {m.topic: partitions for m in batch.messages}
-        held = store.mark_sending(batch, counts, longest_send_seconds=longest_send_seconds)
+        held = store.mark_sending(
+            batch,
+            counts,
+            longest_send_seconds=longest_send_seconds,
+            transactional_id=transactional_id,
+        )
         assert held == {m.id for m in batch.messages}
         chosen = {m.id: partition_for(m.key, m.id, partitions) for m in batch.messages}
         settled = store.settle(
@@ -378,6 +478,80 @@ def send_raw(
         return [int(f.get(timeout=30).offset) for f in futures]
     finally:
         producer.close()
+
+
+class TransactionalSession:
+    """A producer session under a transactional.id, as a transactional publisher opens one.
+
+    ``send`` writes records carrying a message id in their ``outbox-id``
+    header inside the session's open transaction (begun on the first send);
+    ``commit`` commits it. A transaction left open is what a publisher that
+    died or froze mid-batch leaves behind: a fence aborts it.
+    """
+
+    def __init__(self, bootstrap: str, transactional_id: str) -> None:
+        self.transactional_id = transactional_id
+        self._producer = KafkaProducer(
+            bootstrap_servers=bootstrap,
+            transactional_id=transactional_id,
+            enable_idempotence=True,
+            acks="all",
+        )
+        self._producer.init_transactions()
+        self._open = False
+
+    def send(
+        self,
+        topic: str,
+        partition: int,
+        message_id: uuid.UUID,
+        value: bytes = b"x",
+        *,
+        key: bytes | None = None,
+    ) -> int:
+        """Write one record in the open transaction; return its offset (not yet committed)."""
+        if not self._open:
+            self._producer.begin_transaction()
+            self._open = True
+        future = self._producer.send(
+            topic,
+            value=value,
+            key=key,
+            partition=partition,
+            headers=[("outbox-id", str(message_id).encode())],
+        )
+        self._producer.flush(timeout=30)
+        return int(future.get(timeout=30).offset)
+
+    def commit(self) -> None:
+        """Commit the open transaction."""
+        assert self._open, "no transaction is open"
+        self._producer.commit_transaction()
+        self._open = False
+
+    def close(self) -> None:
+        """Close the producer (after the test is done with a transaction it left open)."""
+        self._producer.close(timeout=5)
+
+
+def send_committed(
+    bootstrap: str,
+    transactional_id: str,
+    topic: str,
+    partition: int,
+    message_id: uuid.UUID,
+    *,
+    key: bytes | None = None,
+) -> int:
+    """Write one record carrying ``message_id`` in a committed transaction under
+    ``transactional_id``; return its offset."""
+    session = TransactionalSession(bootstrap, transactional_id)
+    try:
+        offset = session.send(topic, partition, message_id, key=key)
+        session.commit()
+    finally:
+        session.close()
+    return offset
 
 
 def delete_topic(bootstrap: str, topic: str) -> None:
