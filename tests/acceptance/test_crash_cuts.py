@@ -6,10 +6,20 @@ second batch), checks what the database says at that moment, then runs a
 fresh publisher until nothing is left and checks the end state: every message
 delivered exactly once in Kafka, at the offset stored for it, and a second
 recovery and reconciliation pass changes nothing.
+
+Every cut runs in both delivery modes. In transactional delivery the
+consumers read ``read_committed``, as that mode requires of them, and the
+publishers run with an absence grace of an hour: an uncertain message decided
+within the test was decided by the fence and the committed log alone. Two
+cuts exist only in that mode, and each has a test that walks through the
+recovery and the reconciliation step by step: the records were handed to
+the producer but the transaction was not committed, and the transaction was
+committed but nothing was recorded.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import Counter
 
@@ -18,15 +28,22 @@ import pytest
 
 import outbox
 from publisher.faults import CRASH_EXIT_CODE
+from publisher.fencing import KafkaFencer
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
 from publisher.store import PublisherStore
 from tests.support import (
-    assert_each_delivered_once,
+    DELIVERY_MODES,
+    LONG_ABSENCE_GRACE,
+    assert_each_read_once,
     count_by_state,
+    delivery_flags,
     fast_publisher_flags,
     read_topic,
+    reads_committed,
     start_publisher,
+    status_line,
+    wait_until,
 )
 
 pytestmark = pytest.mark.acceptance
@@ -34,25 +51,33 @@ pytestmark = pytest.mark.acceptance
 TOTAL = 300
 BATCH = 100
 FAST = fast_publisher_flags(BATCH)
+TRANSACTIONAL = delivery_flags("transactional")
+
+CUTS = ("after_claim", "after_send", "after_ack", "after_confirm")
 
 
-def _second_batch(database_url: str) -> tuple[int, list[tuple[object, ...]]]:
-    """The messages of the crashed publisher's second batch and whether it began sending."""
+def _batches(database_url: str) -> list[tuple[object, ...]]:
+    """Each batch of the run in claim order: began sending, settled, its transactional.id."""
     with psycopg.connect(database_url) as conn:
-        batch_id, began = conn.execute(
-            "SELECT id, send_began_at IS NOT NULL FROM outbox.batches ORDER BY id OFFSET 1 LIMIT 1"
-        ).fetchone() or (None, None)
-        rows = conn.execute(
-            "SELECT state, lease_owner IS NOT NULL, lease_expires_at > now() "
-            "FROM outbox.message_status WHERE batch_id = %s",
-            (batch_id,),
+        return conn.execute(
+            "SELECT send_began_at IS NOT NULL, settled_at IS NOT NULL, transactional_id "
+            "FROM outbox.batches ORDER BY id"
         ).fetchall()
-    return int(bool(began)), rows
 
 
-def _crash(database_url: str, kafka_bootstrap: str, cut: str) -> str:
+def _batch_ids(database_url: str, offset: int) -> set[uuid.UUID]:
+    """The messages the run's ``offset``-th batch (from 0) claimed."""
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT message_ids FROM outbox.batches ORDER BY id OFFSET %s LIMIT 1", (offset,)
+        ).fetchone()
+    assert row is not None, f"no batch {offset}"
+    return set(row[0])
+
+
+def _crash(database_url: str, kafka_bootstrap: str, cut: str, *flags: str) -> str:
     process = start_publisher(
-        database_url, kafka_bootstrap, *FAST, env={"OUTBOX_CRASH_AT": f"{cut}:2"}
+        database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_CRASH_AT": f"{cut}:2"}
     )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == CRASH_EXIT_CODE, stderr
@@ -61,17 +86,22 @@ def _crash(database_url: str, kafka_bootstrap: str, cut: str) -> str:
 
 
 def _finish(
-    database_url: str, kafka_bootstrap: str, topic: str, ids: list[uuid.UUID]
+    database_url: str,
+    kafka_bootstrap: str,
+    topic: str,
+    ids: list[uuid.UUID],
+    *flags: str,
+    committed: bool = False,
 ) -> list[tuple[object, ...]]:
     """Run a fresh publisher until idle; check every message delivered once; the evidence.
 
     Returns the attempts that did not deliver, as (outcome, send_began, count).
     """
-    finisher = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle")
+    finisher = start_publisher(database_url, kafka_bootstrap, *FAST, *flags, "--exit-when-idle")
     _, stderr = finisher.communicate(timeout=180)
     assert finisher.returncode == 0, stderr
     assert count_by_state(database_url) == {"delivered": TOTAL}
-    assert_each_delivered_once(database_url, kafka_bootstrap, topic, ids)
+    assert_each_read_once(database_url, kafka_bootstrap, topic, ids, committed=committed)
     with psycopg.connect(database_url) as conn:
         return conn.execute(
             "SELECT a.outcome, a.send_began, count(*) FROM outbox.attempts a "
@@ -79,45 +109,69 @@ def _finish(
         ).fetchall()
 
 
-def _ids_in_kafka(kafka_bootstrap: str, topic: str) -> Counter[uuid.UUID]:
-    return Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
+def _ids_in_kafka(kafka_bootstrap: str, topic: str, *, committed: bool) -> Counter[uuid.UUID]:
+    return Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=committed))
 
 
-@pytest.mark.parametrize("cut", ["after_claim", "after_send", "after_ack", "after_confirm"])
-def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
-    database_url: str, kafka_bootstrap: str, topic: str, cut: str
-) -> None:
-    """Whatever the cut, the database says what happened and nothing is lost or duplicated."""
+def _decisions(database_url: str) -> dict[str, int]:
     with psycopg.connect(database_url) as conn:
-        ids = outbox.enqueue_many(
+        return dict(
+            conn.execute(
+                "SELECT to_state, count(*) FROM outbox.decisions GROUP BY to_state"
+            ).fetchall()
+        )
+
+
+def _enqueue(database_url: str, topic: str) -> list[uuid.UUID]:
+    """TOTAL messages on 13 keys: while a batch is in flight, every key is held by it, so
+    no batch is claimed ahead of it."""
+    with psycopg.connect(database_url) as conn:
+        return outbox.enqueue_many(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 13}") for i in range(TOTAL)]
         )
-    _crash(database_url, kafka_bootstrap, cut)
+
+
+@pytest.mark.parametrize("cut", CUTS)
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
+def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str, cut: str
+) -> None:
+    """Whatever the cut and the delivery mode, the database says what happened and nothing
+    is lost or duplicated."""
+    mode = delivery_flags(delivery)
+    committed = reads_committed(delivery)
+    transactional = delivery == "transactional"
+    ids = _enqueue(database_url, topic)
+    _crash(database_url, kafka_bootstrap, cut, *mode)
 
     # What the database knows at the moment of the crash (docs/guarantees.md).
     counts = count_by_state(database_url)
-    began, second = _second_batch(database_url)
-    in_kafka = _ids_in_kafka(kafka_bootstrap, topic)
+    in_kafka = _ids_in_kafka(kafka_bootstrap, topic, committed=committed)
     if cut == "after_confirm":
         assert counts == {"delivered": 2 * BATCH, "pending": TOTAL - 2 * BATCH}
         assert sum(in_kafka.values()) == 2 * BATCH
     else:
         assert counts == {"delivered": BATCH, "in_flight": BATCH, "pending": TOTAL - 2 * BATCH}
-        assert all(row == ("in_flight", True, True) for row in second), second
-        assert began == (0 if cut == "after_claim" else 1)
-        if cut == "after_claim":
+        # The second batch holds every message in flight, under the crashed
+        # publisher's live lease, and was not settled.
+        in_flight = status_line(database_url, "in_flight")
+        assert (in_flight["messages"], in_flight["leases_expired"]) == (BATCH, 0)
+        assert len(in_flight["lease_owners"]) == 1
+        (_, settled_1, _), (began, settled_2, _) = _batches(database_url)
+        assert (settled_1, settled_2) == (True, False)
+        assert began is (cut != "after_claim")
+        if cut == "after_claim" or (transactional and cut in ("after_send", "after_ack")):
+            # Nothing of the second batch is visible: not sent, or not committed.
             assert sum(in_kafka.values()) == BATCH
         if cut == "after_ack":
-            assert sum(in_kafka.values()) == 2 * BATCH  # acknowledged, but not recorded
+            # Acknowledged, but not recorded (and, in transactional delivery,
+            # not committed): the records are in the log.
+            written = _ids_in_kafka(kafka_bootstrap, topic, committed=False)
+            assert sum(written.values()) == 2 * BATCH
 
     # A fresh publisher recovers, reconciles and delivers the rest.
-    evidence = _finish(database_url, kafka_bootstrap, topic, ids)
-    with psycopg.connect(database_url) as conn:
-        decisions: dict[str, int] = dict(
-            conn.execute(
-                "SELECT to_state, count(*) FROM outbox.decisions GROUP BY to_state"
-            ).fetchall()
-        )
+    evidence = _finish(database_url, kafka_bootstrap, topic, ids, *mode, committed=committed)
+    decisions = _decisions(database_url)
 
     # The crashed batch left its evidence: an abandoned attempt per message,
     # saying whether sending had begun; uncertain ones were decided from Kafka.
@@ -128,9 +182,13 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
         assert evidence == [("abandoned", cut != "after_claim", BATCH)]
     if cut == "after_claim":
         assert decisions == {}
-    if cut == "after_ack":
+    if cut in ("after_send", "after_ack") and transactional:
+        # Fenced: its transaction was aborted, so nothing of it was committed;
+        # proven absent at once (no grace) and sent again.
+        assert decisions == {"pending": BATCH}
+    elif cut == "after_ack":
         assert decisions == {"delivered": BATCH}  # all found in Kafka, none resent
-    if cut == "after_send":
+    elif cut == "after_send":
         assert sum(decisions.values()) == BATCH
         assert set(decisions) <= {"delivered", "pending"}
 
@@ -139,23 +197,35 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
     scanner = KafkaLogScanner(kafka_bootstrap)
     try:
         assert store.recover_expired_leases() == []
-        assert Reconciler(store, scanner, "test", absence_grace=0).run_once().decided == 0
+        reconciler = Reconciler(
+            store, scanner, "test", absence_grace=0, fencer=KafkaFencer(kafka_bootstrap)
+        )
+        assert reconciler.run_once().decided == 0
     finally:
         scanner.close()
         store.close()
     assert count_by_state(database_url) == {"delivered": TOTAL}
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str
 ) -> None:
-    """Every message its own key: batch 3 is claimed ahead while 2 is sent, then the crash."""
+    """Every message its own key: batch 3 is claimed ahead while 2 is sent, then the crash.
+
+    In transactional delivery a full batch claimed ahead would join the open
+    transaction and be sent with it; one batch per transaction keeps the
+    batch claimed ahead apart, as in idempotent delivery.
+    """
+    mode = delivery_flags(delivery)
+    if delivery == "transactional":
+        mode += ("--transaction-records", str(BATCH))
     with psycopg.connect(database_url) as conn:
         ids = outbox.enqueue_many(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(TOTAL)]
         )
     process = start_publisher(
-        database_url, kafka_bootstrap, *FAST, env={"OUTBOX_CRASH_AT": "after_claim:3"}
+        database_url, kafka_bootstrap, *FAST, *mode, env={"OUTBOX_CRASH_AT": "after_claim:3"}
     )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == CRASH_EXIT_CODE, stderr
@@ -168,9 +238,163 @@ def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
         ).fetchall()
     assert third == [(None, None)]
 
-    evidence = _finish(database_url, kafka_bootstrap, topic, ids)
+    evidence = _finish(
+        database_url, kafka_bootstrap, topic, ids, *mode, committed=reads_committed(delivery)
+    )
     with psycopg.connect(database_url) as conn:
         decisions = conn.execute("SELECT count(*) FROM outbox.decisions").fetchone()
     # Recovered as never sent: back to pending, nothing to reconcile.
     assert evidence == [("abandoned", False, BATCH)]
     assert decisions == (0,)
+
+
+def _recover_by_hand(database_url: str, crashed: set[uuid.UUID]) -> None:
+    """Once the crashed publisher's lease expired, recovery makes its batch uncertain."""
+    wait_until(
+        lambda: status_line(database_url, "in_flight")["leases_expired"] == BATCH,
+        timeout=30,
+        interval=0.2,
+        what="the crashed publisher's lease to expire",
+    )
+    store = PublisherStore(database_url, uuid.uuid4())
+    try:
+        recovered = store.recover_expired_leases()
+    finally:
+        store.close()
+    assert {r.message_id for r in recovered} == crashed
+    assert {r.state.value for r in recovered} == {"uncertain"}  # sending had begun
+    assert count_by_state(database_url) == {
+        "delivered": BATCH,
+        "uncertain": BATCH,
+        "pending": TOTAL - 2 * BATCH,
+    }
+
+
+def _reconcile_by_hand(
+    database_url: str, kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
+) -> tuple[list[uuid.UUID], list[uuid.UUID], str]:
+    """One pass of a reconciler that fences, with an absence grace no test waits out.
+
+    Returns the messages it made delivered and pending, and its log.
+    """
+    store = PublisherStore(database_url, uuid.uuid4())
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        with caplog.at_level(logging.INFO, logger="publisher.reconciler"):
+            report = Reconciler(
+                store,
+                scanner,
+                "test",
+                absence_grace=LONG_ABSENCE_GRACE,
+                fencer=KafkaFencer(kafka_bootstrap),
+            ).run_once()
+    finally:
+        scanner.close()
+        store.close()
+    # Decided in this one pass: nothing waits for a grace or a write deadline.
+    assert (report.deferred, report.escalated) == ([], [])
+    return report.delivered, report.pending, caplog.text
+
+
+def test_transactional_crash_before_the_commit_is_fenced_proven_absent_and_resent(
+    database_url: str, kafka_bootstrap: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Records handed over, transaction not committed: in flight at the crash; recovery
+    makes them uncertain; the reconciler fences the session and, reading committed, proves
+    them absent at once (no grace); they are sent again and read once."""
+    ids = _enqueue(database_url, topic)
+    _crash(database_url, kafka_bootstrap, "after_send", *TRANSACTIONAL)
+    crashed = _batch_ids(database_url, 1)
+    assert len(crashed) == BATCH
+
+    # At the crash: in flight under a live lease; the batch began sending in
+    # the crashed session's transaction, which nobody committed.
+    assert count_by_state(database_url) == {
+        "delivered": BATCH,
+        "in_flight": BATCH,
+        "pending": TOTAL - 2 * BATCH,
+    }
+    assert status_line(database_url, "in_flight")["leases_expired"] == 0
+    (began_1, settled_1, session), (began_2, settled_2, crashed_session) = _batches(database_url)
+    assert (began_1, settled_1, began_2, settled_2) == (True, True, True, False)
+    assert crashed_session is not None
+    assert crashed_session == session  # the same producer session sent both batches
+    committed_before = _ids_in_kafka(kafka_bootstrap, topic, committed=True)
+    assert set(committed_before) == _batch_ids(database_url, 0)
+    assert max(committed_before.values()) == 1
+
+    _recover_by_hand(database_url, crashed)
+    delivered, pending, logged = _reconcile_by_hand(database_url, kafka_bootstrap, caplog)
+    assert f"fenced producer session {crashed_session}" in logged
+    assert delivered == []
+    assert set(pending) == crashed
+    with psycopg.connect(database_url) as conn:
+        decided = conn.execute(
+            "SELECT message_id, from_state, to_state, reason FROM outbox.decisions"
+        ).fetchall()
+    assert {mid for mid, *_ in decided} == crashed
+    assert {(f, t) for _, f, t, _ in decided} == {("uncertain", "pending")}
+    assert all(reason.startswith("proven absent") for *_, reason in decided)
+    # The fence aborted the open transaction: nothing of it is committed now.
+    assert _ids_in_kafka(kafka_bootstrap, topic, committed=True) == committed_before
+
+    evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
+    assert evidence == [("abandoned", True, BATCH)]
+    assert _decisions(database_url) == {"pending": BATCH}
+    # A read_uncommitted consumer may also read what the crashed transaction
+    # wrote before it was aborted: at most one more copy, of its batch only.
+    copies = _ids_in_kafka(kafka_bootstrap, topic, committed=False)
+    assert set(copies) == set(ids)
+    assert {mid for mid, n in copies.items() if n > 1} <= crashed
+    assert max(copies.values()) <= 2
+
+
+def test_transactional_crash_after_the_commit_is_fenced_found_and_not_resent(
+    database_url: str, kafka_bootstrap: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Commit done, nothing settled: in flight at the crash; recovery makes the batch
+    uncertain; the reconciler fences the session and finds every record committed, at once:
+    delivered at the offsets found, and nothing is sent again."""
+    ids = _enqueue(database_url, topic)
+    _crash(database_url, kafka_bootstrap, "after_commit", *TRANSACTIONAL)
+    crashed = _batch_ids(database_url, 1)
+    assert len(crashed) == BATCH
+
+    # At the crash: in flight under a live lease, not settled; yet its
+    # transaction is committed, so read_committed consumers read it already.
+    assert count_by_state(database_url) == {
+        "delivered": BATCH,
+        "in_flight": BATCH,
+        "pending": TOTAL - 2 * BATCH,
+    }
+    assert status_line(database_url, "in_flight")["leases_expired"] == 0
+    assert [(b, s) for b, s, _ in _batches(database_url)] == [(True, True), (True, False)]
+    crashed_session = _batches(database_url)[1][2]
+    assert crashed_session is not None
+    records = read_topic(kafka_bootstrap, topic, committed=True)
+    assert Counter(r.outbox_id for r in records) == Counter(_batch_ids(database_url, 0) | crashed)
+    committed_at = {r.outbox_id: (r.partition, r.offset) for r in records if r.outbox_id in crashed}
+
+    _recover_by_hand(database_url, crashed)
+    delivered, pending, logged = _reconcile_by_hand(database_url, kafka_bootstrap, caplog)
+    assert f"fenced producer session {crashed_session}" in logged
+    assert pending == []
+    assert set(delivered) == crashed
+    with psycopg.connect(database_url) as conn:
+        stored = {
+            mid: (p, o)
+            for mid, p, o in conn.execute(
+                "SELECT id, kafka_partition, kafka_offset FROM outbox.messages WHERE id = ANY(%s)",
+                (list(crashed),),
+            )
+        }
+    assert stored == committed_at  # where the committed transaction wrote them
+
+    evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
+    assert evidence == [("abandoned", True, BATCH)]
+    assert _decisions(database_url) == {"delivered": BATCH}
+    # Nothing was aborted or sent again: even a read_uncommitted consumer
+    # reads each message once.
+    copies = _ids_in_kafka(kafka_bootstrap, topic, committed=False)
+    assert set(copies) == set(ids)
+    assert max(copies.values()) == 1
