@@ -1,4 +1,9 @@
-"""Per-key order in commit order, and holds that stall only their own key."""
+"""Per-key order in commit order, and holds that stall only their own key.
+
+Tests that publish run in both delivery modes (in transactional delivery the
+consumer reads ``read_committed``); tests of the claim and of the operator's
+commands alone send nothing, and run once.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,12 @@ import outbox
 from outbox.states import State
 from publisher.store import Settlement
 from tests.support import (
+    DELIVERY_MODES,
     claiming_store,
     count_by_state,
     publish_until_idle,
     read_topic,
+    reads_committed,
     run_outbox_cli,
     wait_until,
 )
@@ -25,10 +32,14 @@ from tests.support import (
 pytestmark = pytest.mark.integration
 
 
-def _values_by_key(kafka_bootstrap: str, topic: str) -> dict[bytes | None, list[bytes]]:
-    """Each key's values in the order a consumer reads them."""
+def _values_by_key(
+    kafka_bootstrap: str, topic: str, delivery: str = "idempotent"
+) -> dict[bytes | None, list[bytes]]:
+    """Each key's values in the order a consumer reads them (read_committed in
+    transactional delivery)."""
+    records = read_topic(kafka_bootstrap, topic, committed=reads_committed(delivery))
     by_key: dict[bytes | None, list[bytes]] = {}
-    for r in sorted(read_topic(kafka_bootstrap, topic), key=lambda r: (r.partition, r.offset)):
+    for r in sorted(records, key=lambda r: (r.partition, r.offset)):
         by_key.setdefault(r.key, []).append(r.value)
     return by_key
 
@@ -46,8 +57,9 @@ def _outbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return run_outbox_cli(url, *args)
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 def test_same_key_reaches_kafka_in_commit_order_not_allocation_order(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str
 ) -> None:
     """The transaction that enqueues a key second waits for the first, so order is commit order.
 
@@ -75,12 +87,13 @@ def test_same_key_reaches_kafka_in_commit_order_not_allocation_order(
     finally:
         first.close()
         second.close()
-    publish_until_idle(database_url, kafka_bootstrap)
-    assert _values_by_key(kafka_bootstrap, topic)[b"account-1"] == [b"first", b"second"]
+    publish_until_idle(database_url, kafka_bootstrap, delivery=delivery)
+    assert _values_by_key(kafka_bootstrap, topic, delivery)[b"account-1"] == [b"first", b"second"]
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 def test_concurrent_writers_keep_each_keys_order(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str
 ) -> None:
     """Eight writers on three hot keys: each key's records are in the order they committed."""
     committed: dict[str, list[int]] = {"hot-0": [], "hot-1": [], "hot-2": []}
@@ -97,8 +110,8 @@ def test_concurrent_writers_keep_each_keys_order(
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(writer, range(8)))
-    publish_until_idle(database_url, kafka_bootstrap, batch_size=50)
-    by_key = _values_by_key(kafka_bootstrap, topic)
+    publish_until_idle(database_url, kafka_bootstrap, batch_size=50, delivery=delivery)
+    by_key = _values_by_key(kafka_bootstrap, topic, delivery)
     for key, order in committed.items():
         read = [w * 1000 + i for w, i in (json.loads(v) for v in by_key[key.encode()])]
         assert read == order, key
@@ -131,8 +144,9 @@ def _quarantine_head(database_url: str, topic: str, key: str) -> tuple[uuid.UUID
     return ids[0], ids[1:]
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 def test_quarantined_message_holds_its_key_only_until_retried(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str
 ) -> None:
     """Later messages of a quarantined one's key wait, every other key flows; retry releases it."""
     held_by, waiting = _quarantine_head(database_url, topic, "stuck")
@@ -142,9 +156,12 @@ def test_quarantined_message_holds_its_key_only_until_retried(
             [outbox.Message(topic, f"free-{i}", key=f"free-{i % 2}") for i in range(4)]
             + [outbox.Message(topic, b"unkeyed") for _ in range(2)],
         )
-    publish_until_idle(database_url, kafka_bootstrap)
+    publish_until_idle(database_url, kafka_bootstrap, delivery=delivery)
     assert count_by_state(database_url) == {"quarantined": 1, "pending": 2, "delivered": 6}
-    assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic)} == set(free)
+    committed = reads_committed(delivery)
+    assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=committed)} == set(
+        free
+    )
 
     status = _outbox(database_url, "status", "--json")
     assert status.returncode == 1
@@ -158,8 +175,12 @@ def test_quarantined_message_holds_its_key_only_until_retried(
 
     retried = _outbox(database_url, "retry", str(held_by), "--reason", "topic limit raised")
     assert retried.returncode == 0, retried.stderr
-    publish_until_idle(database_url, kafka_bootstrap)
-    assert _values_by_key(kafka_bootstrap, topic)[b"stuck"] == [b"stuck-0", b"stuck-1", b"stuck-2"]
+    publish_until_idle(database_url, kafka_bootstrap, delivery=delivery)
+    assert _values_by_key(kafka_bootstrap, topic, delivery)[b"stuck"] == [
+        b"stuck-0",
+        b"stuck-1",
+        b"stuck-2",
+    ]
     with psycopg.connect(database_url) as conn:
         decision = conn.execute(
             "SELECT from_state, to_state, reason FROM outbox.decisions WHERE message_id = %s",
@@ -170,21 +191,23 @@ def test_quarantined_message_holds_its_key_only_until_retried(
     assert count_by_state(database_url) == {"delivered": 9}
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 def test_discarding_the_holder_lets_its_key_go_on_without_it(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str
 ) -> None:
     """An operator discards the quarantined head: the rest of its key is delivered, in order."""
     held_by, _ = _quarantine_head(database_url, topic, "stuck")
     result = _outbox(database_url, "discard", str(held_by), "--reason", "obsolete event")
     assert result.returncode == 0, result.stderr
-    publish_until_idle(database_url, kafka_bootstrap)
-    assert _values_by_key(kafka_bootstrap, topic)[b"stuck"] == [b"stuck-1", b"stuck-2"]
+    publish_until_idle(database_url, kafka_bootstrap, delivery=delivery)
+    assert _values_by_key(kafka_bootstrap, topic, delivery)[b"stuck"] == [b"stuck-1", b"stuck-2"]
     assert count_by_state(database_url) == {"discarded": 1, "delivered": 2}
     refused = _outbox(database_url, "discard", str(held_by), "--reason", "again")
     assert refused.returncode == 2
     assert "is discarded" in refused.stderr
 
 
+# One mode: the claim alone is checked, and nothing is sent.
 def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None:
     """A message waiting out a retry is not overtaken by later messages of its key."""
     with psycopg.connect(database_url) as conn:
@@ -217,6 +240,7 @@ def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None
     assert [m.id for m in second.messages] == [ids[2]]  # b1 only: a2 waits behind a1
 
 
+# One mode: an operator's command on the database; nothing is sent.
 def test_retry_quarantined_by_topic_moves_only_that_topic(database_url: str) -> None:
     """retry --quarantined --topic T sends T's quarantined messages again, and no others."""
     held_t, _ = _quarantine_head(database_url, "t1", "k")
@@ -231,6 +255,7 @@ def test_retry_quarantined_by_topic_moves_only_that_topic(database_url: str) -> 
     assert states == {held_t: "pending", held_u: "quarantined"}
 
 
+# One mode: an operator's command on the database; nothing is sent.
 def test_retry_quarantined_needs_a_reason_and_changes_nothing_without_one(
     database_url: str,
 ) -> None:
