@@ -1,30 +1,48 @@
-"""The reconciler decides uncertain messages from what the Kafka partition holds."""
+"""The reconciler decides uncertain messages from what the Kafka partition holds.
+
+Most tests run in both delivery modes (the ``delivery`` fixture). In
+transactional delivery the uncertain batch was sent under a transactional.id,
+a record of it that was written is in a committed transaction of that
+session, and the reconciler fences the session before it reads the partition
+read_committed. Tests of what exists in one mode only say why.
+"""
 
 from __future__ import annotations
 
+import socket
+import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
 from kafka import KafkaAdminClient, TopicPartition
+from kafka.errors import KafkaError
 
 import outbox
 from outbox.states import State
+from publisher.fencing import KafkaFencer
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.scanner import KafkaLogScanner
 from publisher.store import Settlement
 from tests.support import (
+    DELIVERY_MODES,
+    LONG_ABSENCE_GRACE,
+    TransactionalSession,
     claiming_store,
     create_topic,
     delete_topic,
     fetch_rows,
     grow_topic,
     make_uncertain,
+    make_uncertain_in_transaction,
     publish_until_idle,
     read_topic,
+    reads_committed,
+    send_committed,
     send_raw,
     send_record,
 )
@@ -32,12 +50,66 @@ from tests.support import (
 pytestmark = pytest.mark.integration
 
 
+@dataclass(frozen=True)
+class Sent:
+    """How the uncertain batch of a test was sent, in one delivery mode."""
+
+    delivery: str
+    bootstrap: str
+    #: The producer session's transactional.id (transactional delivery), else None.
+    transactional_id: str | None
+
+    @property
+    def committed(self) -> bool:
+        """Whether consumers of this mode read read_committed."""
+        return reads_committed(self.delivery)
+
+    def make_uncertain(
+        self, database_url: str, *, partitions: int = 3, longest_send_seconds: float = 0.0
+    ) -> dict[uuid.UUID, int]:
+        """Every pending message sent in a batch of this mode and settled uncertain."""
+        if self.transactional_id is None:
+            return make_uncertain(
+                database_url, partitions=partitions, longest_send_seconds=longest_send_seconds
+            )
+        return make_uncertain_in_transaction(
+            database_url,
+            self.transactional_id,
+            partitions=partitions,
+            longest_send_seconds=longest_send_seconds,
+        )
+
+    def write(
+        self, topic: str, partition: int, message_id: uuid.UUID, *, key: bytes | None = None
+    ) -> int:
+        """The message's record as its batch wrote it (in a committed transaction of the
+        session, in transactional delivery); its offset."""
+        if self.transactional_id is None:
+            return send_record(self.bootstrap, topic, partition, message_id, key=key)
+        return send_committed(
+            self.bootstrap, self.transactional_id, topic, partition, message_id, key=key
+        )
+
+    def end_after(self, offset: int) -> int:
+        """The partition's end offset once ``write`` put a record at ``offset``: in a
+        transaction, its commit marker takes the next offset."""
+        return offset + (2 if self.transactional_id is not None else 1)
+
+
+@pytest.fixture(params=DELIVERY_MODES)
+def sent(request: pytest.FixtureRequest, kafka_bootstrap: str) -> Sent:
+    """The test's uncertain batch, sent in each delivery mode in turn."""
+    delivery: str = request.param
+    transactional_id = f"outbox-{uuid.uuid4()}-1" if delivery == "transactional" else None
+    return Sent(delivery, kafka_bootstrap, transactional_id)
+
+
 @pytest.fixture
 def reconciler(database_url: str, kafka_bootstrap: str) -> Iterator[Reconciler]:
-    """A reconciler with a real scanner, recording its decisions as "test"."""
+    """A reconciler with a real scanner and fencer, recording its decisions as "test"."""
     store = claiming_store(database_url)
     scanner = KafkaLogScanner(kafka_bootstrap)
-    yield Reconciler(store, scanner, "test", absence_grace=0)
+    yield Reconciler(store, scanner, "test", absence_grace=0, fencer=KafkaFencer(kafka_bootstrap))
     scanner.close()
     store.close()
 
@@ -45,10 +117,17 @@ def reconciler(database_url: str, kafka_bootstrap: str) -> Iterator[Reconciler]:
 def _reconcile_once(
     database_url: str, scanner: KafkaLogScanner, *, absence_grace: float = 0
 ) -> ReconcileReport:
-    """One reconciliation pass with a store of its own and ``scanner``; both closed after."""
+    """One reconciliation pass with a store of its own, ``scanner`` and a real fencer;
+    the store and the scanner are closed after."""
     store = claiming_store(database_url)
     try:
-        return Reconciler(store, scanner, "test", absence_grace=absence_grace).run_once()
+        return Reconciler(
+            store,
+            scanner,
+            "test",
+            absence_grace=absence_grace,
+            fencer=KafkaFencer(scanner._bootstrap_servers),
+        ).run_once()
     finally:
         scanner.close()
         store.close()
@@ -78,14 +157,14 @@ def _decisions(database_url: str) -> list[tuple[Any, ...]]:
 
 
 def test_record_found_in_kafka_makes_the_message_delivered_at_its_offset(
-    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler, sent: Sent
 ) -> None:
     """An uncertain message whose record is in its partition becomes delivered at that offset."""
     message_id = _enqueue(database_url, topic)
-    partition = make_uncertain(database_url)[message_id]
+    partition = sent.make_uncertain(database_url)[message_id]
     # Another message's record lies before it in the same partition.
     send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
-    offset = send_record(kafka_bootstrap, topic, partition, message_id)
+    offset = sent.write(topic, partition, message_id)
 
     report = reconciler.run_once()
     assert report.delivered == [message_id]
@@ -104,7 +183,7 @@ def test_record_found_in_kafka_makes_the_message_delivered_at_its_offset(
     assert evidence["topic"] == topic
     assert evidence["partition"] == partition
     assert evidence["scan_from"] == 0
-    assert evidence["scan_to"] == offset + 1
+    assert evidence["scan_to"] == sent.end_after(offset)
     assert evidence["found_offsets"] == [offset]
     assert fetch_rows(
         database_url,
@@ -121,14 +200,32 @@ def test_record_found_in_kafka_makes_the_message_delivered_at_its_offset(
 
 
 def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once(
-    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler, sent: Sent
 ) -> None:
-    """An uncertain message absent from its scanned range goes pending, then arrives once."""
-    message_id = _enqueue(database_url, topic)
-    partition = make_uncertain(database_url)[message_id]
-    unrelated = send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    """An uncertain message absent from its scanned range goes pending, then arrives once.
 
-    report = reconciler.run_once()
+    In transactional delivery its record was written in a transaction its
+    session left open (the publisher died or froze before the commit): the
+    fence aborts it, so the record is not in the committed log, and the
+    session can commit nothing any more.
+    """
+    message_id = _enqueue(database_url, topic)
+    partition = sent.make_uncertain(database_url)[message_id]
+    unrelated = send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    end = unrelated + 1
+    zombie = None
+    if sent.transactional_id is not None:
+        zombie = TransactionalSession(kafka_bootstrap, sent.transactional_id)
+        end = zombie.send(topic, partition, message_id) + 2  # the record, then the abort marker
+
+    try:
+        report = reconciler.run_once()
+        if zombie is not None:
+            with pytest.raises(KafkaError, match="ProducerFenced"):
+                zombie.commit()
+    finally:
+        if zombie is not None:
+            zombie.close()
     assert report.pending == [message_id]
     assert report.delivered == []
     state, _, kafka_offset, escalated, last_error = _message(database_url, message_id)
@@ -141,14 +238,15 @@ def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once
         "topic": topic,
         "partition": partition,
         "scan_from": 0,
-        "scan_to": unrelated + 1,
+        "scan_to": end,
         "log_start": 0,
     }
-    assert f"offsets [0, {unrelated + 1})" in reason
+    assert f"offsets [0, {end})" in reason
 
-    totals = publish_until_idle(database_url, kafka_bootstrap)
+    totals = publish_until_idle(database_url, kafka_bootstrap, delivery=sent.delivery)
     assert totals.delivered == 1
-    mine = [r for r in read_topic(kafka_bootstrap, topic) if r.outbox_id == message_id]
+    records = read_topic(kafka_bootstrap, topic, committed=sent.committed)
+    mine = [r for r in records if r.outbox_id == message_id]
     assert len(mine) == 1
     assert _message(database_url, message_id)[:3] == (
         "delivered",
@@ -158,21 +256,21 @@ def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once
 
 
 def test_scan_starts_above_the_offset_confirmed_before_the_attempt(
-    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler, sent: Sent
 ) -> None:
     """A record with the message's id at or below the attempt's confirmed offset is not searched."""
     message_id = _enqueue(database_url, topic)
     partition = partition_for(None, message_id, 3)
     # This record was written, and its offset confirmed, before the attempt
     # began sending, so it cannot be the record of this attempt.
-    old = send_record(kafka_bootstrap, topic, partition, message_id)
+    old = sent.write(topic, partition, message_id)
     with psycopg.connect(database_url) as conn:
         conn.execute(
             "INSERT INTO outbox.partition_offsets (topic, kafka_partition, confirmed_offset) "
             "VALUES (%s, %s, %s)",
             (topic, partition, old),
         )
-    assert make_uncertain(database_url) == {message_id: partition}
+    assert sent.make_uncertain(database_url) == {message_id: partition}
     [(snapshot,)] = fetch_rows(database_url, "SELECT confirmed_offsets FROM outbox.batches")
     assert snapshot == {topic: {str(partition): old}}
 
@@ -183,9 +281,11 @@ def test_scan_starts_above_the_offset_confirmed_before_the_attempt(
     [(_, _, _, to_state, _, evidence)] = _decisions(database_url)
     assert to_state == "pending"
     assert evidence["scan_from"] == old + 1
-    assert evidence["scan_to"] == old + 1
+    assert evidence["scan_to"] == sent.end_after(old)
 
 
+# Idempotent delivery only: a transactional message has no write deadline to
+# wait for (see test_a_transactional_message_is_decided_at_once_after_the_fence).
 def test_message_before_its_write_deadline_is_not_decided(
     database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
 ) -> None:
@@ -202,12 +302,12 @@ def test_message_before_its_write_deadline_is_not_decided(
 
 
 def test_deleted_topic_escalates_the_message_once(
-    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler, sent: Sent
 ) -> None:
     """When the topic is gone the message stays uncertain, escalated with the reason."""
     message_id = _enqueue(database_url, topic)
-    partition = make_uncertain(database_url)[message_id]
-    send_record(kafka_bootstrap, topic, partition, message_id)
+    partition = sent.make_uncertain(database_url)[message_id]
+    sent.write(topic, partition, message_id)
     delete_topic(kafka_bootstrap, topic)
 
     report = reconciler.run_once()
@@ -230,15 +330,15 @@ def test_deleted_topic_escalates_the_message_once(
 
 
 def test_deleted_records_where_the_message_could_be_escalate_instead_of_pending(
-    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler, sent: Sent
 ) -> None:
     """With no confirmed offset, records deleted below the log start escalate the message."""
     message_id = _enqueue(database_url, topic)
-    partition = make_uncertain(database_url)[message_id]
+    partition = sent.make_uncertain(database_url)[message_id]
     [(snapshot,)] = fetch_rows(database_url, "SELECT confirmed_offsets FROM outbox.batches")
     assert snapshot == {}
     # The message's record may have been among these; they are deleted.
-    send_record(kafka_bootstrap, topic, partition, message_id)
+    sent.write(topic, partition, message_id)
     last = send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="outbox-tests")
     try:
@@ -259,13 +359,13 @@ def test_deleted_records_where_the_message_could_be_escalate_instead_of_pending(
 
 
 def test_scan_starts_above_the_confirmed_offset_when_sharing_a_pass(
-    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler, sent: Sent
 ) -> None:
     """A record at or below a message's confirmed offset is ignored when sharing a scan."""
     with psycopg.connect(database_url) as conn:
         first = outbox.enqueue(conn, topic, b"first", key="k")
     # The first attempt began sending with nothing confirmed: it is searched from 0.
-    partition = make_uncertain(database_url)[first]
+    partition = sent.make_uncertain(database_url)[first]
     # Another key of the same partition: a later message of key "k" would be
     # held back behind the uncertain first one and never claimed.
     other = next(
@@ -273,7 +373,7 @@ def test_scan_starts_above_the_confirmed_offset_when_sharing_a_pass(
     )
     with psycopg.connect(database_url) as conn:
         second = outbox.enqueue(conn, topic, b"second", key=other)
-    old = send_record(kafka_bootstrap, topic, partition, second)
+    old = sent.write(topic, partition, second)
     with psycopg.connect(database_url) as conn:
         conn.execute(
             "INSERT INTO outbox.partition_offsets (topic, kafka_partition, confirmed_offset) "
@@ -281,7 +381,7 @@ def test_scan_starts_above_the_confirmed_offset_when_sharing_a_pass(
             (topic, partition, old),
         )
     # The second attempt began sending after `old` was confirmed: searched from old + 1.
-    assert make_uncertain(database_url) == {second: partition}
+    assert sent.make_uncertain(database_url) == {second: partition}
 
     reconciler.run_once()
     decisions = {d[0]: d for d in _decisions(database_url)}
@@ -299,33 +399,35 @@ def _delete_records_below(bootstrap: str, topic: str, partition: int, offset: in
 
 
 def test_a_topic_created_again_escalates_instead_of_proving_absence(
-    database_url: str, kafka_bootstrap: str
+    database_url: str, kafka_bootstrap: str, sent: Sent
 ) -> None:
     """The confirmed offsets of a deleted topic's log prove nothing about its successor's."""
     topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
     create_topic(kafka_bootstrap, topic, partitions=1)
     with psycopg.connect(database_url) as conn:
         outbox.enqueue_many(conn, [outbox.Message(topic, f"old {i}") for i in range(5)])
-    publish_until_idle(database_url, kafka_bootstrap)
+    publish_until_idle(database_url, kafka_bootstrap, delivery=sent.delivery)
     confirmed = "SELECT confirmed_offset FROM outbox.partition_offsets WHERE topic = %s"
     assert fetch_rows(database_url, confirmed, topic) == [(4,)]
     delete_topic(kafka_bootstrap, topic)
     create_topic(kafka_bootstrap, topic, partitions=1)
     message_id = _enqueue(database_url, topic)
-    make_uncertain(database_url, partitions=1)
+    sent.make_uncertain(database_url, partitions=1)
     # Its record was written: the first of the new log.
-    assert send_record(kafka_bootstrap, topic, 0, message_id) == 0
+    assert sent.write(topic, 0, message_id) == 0
+    end = sent.end_after(0)
     report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
 
     assert report.escalated == [message_id]
     assert report.pending == report.delivered == []
     state, _, _, escalated, last_error = _message(database_url, message_id)
     assert (state, escalated) == ("uncertain", True)
-    assert "ends at offset 1, below offset 4 confirmed before its attempt" in last_error
+    assert f"ends at offset {end}, below offset 4 confirmed before its attempt" in last_error
     [(_, _, _, to_state, _, evidence)] = _decisions(database_url)
     assert to_state == "uncertain"
-    assert (evidence["confirmed_before"], evidence["log_end"]) == (4, 1)
-    assert [r.outbox_id for r in read_topic(kafka_bootstrap, topic)] == [message_id]
+    assert (evidence["confirmed_before"], evidence["log_end"]) == (4, end)
+    records = read_topic(kafka_bootstrap, topic, committed=sent.committed)
+    assert [r.outbox_id for r in records] == [message_id]
     delete_topic(kafka_bootstrap, topic)
 
 
@@ -342,14 +444,14 @@ class _RetentionDuringTheScan(KafkaLogScanner):
 
 
 def test_records_deleted_while_the_scan_reads_them_escalate_instead_of_proving_absence(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, sent: Sent
 ) -> None:
     """A scan whose range is deleted under it fails; the message is escalated, not resent."""
     message_id = _enqueue(database_url, topic)
-    partition = make_uncertain(database_url)[message_id]
+    partition = sent.make_uncertain(database_url)[message_id]
     send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
-    at = send_record(kafka_bootstrap, topic, partition, message_id)
-    send_record(kafka_bootstrap, topic, partition, uuid.uuid4())
+    at = sent.write(topic, partition, message_id)
+    end = send_record(kafka_bootstrap, topic, partition, uuid.uuid4()) + 1
     report = _reconcile_once(
         database_url, _RetentionDuringTheScan(kafka_bootstrap, timeout_seconds=20)
     )
@@ -359,12 +461,12 @@ def test_records_deleted_while_the_scan_reads_them_escalate_instead_of_proving_a
     state, _, _, escalated, last_error = _message(database_url, message_id)
     assert (state, escalated) == ("uncertain", True)
     assert at == 1
-    assert "offsets [0, 3)" in last_error
-    assert "were deleted before the scan of [0, 3) read them" in last_error
+    assert f"offsets [0, {end})" in last_error
+    assert f"were deleted before the scan of [0, {end}) read them" in last_error
 
 
 def test_on_a_compacted_topic_absence_is_proof_only_with_no_later_record_of_its_key(
-    database_url: str, kafka_bootstrap: str, reconciler: Reconciler
+    database_url: str, kafka_bootstrap: str, reconciler: Reconciler, sent: Sent
 ) -> None:
     """Compaction removes a record once a later one has its key: a missing record with
     such a later record may have been compacted away; one with none is proven absent."""
@@ -374,10 +476,10 @@ def test_on_a_compacted_topic_absence_is_proof_only_with_no_later_record_of_its_
         crowded, found, lonely = (
             outbox.enqueue(conn, topic, b"v", key=k) for k in ("crowded", "found", "lonely")
         )
-    make_uncertain(database_url, partitions=1)
+    sent.make_uncertain(database_url, partitions=1)
     # Another producer's record with the crowded message's key, after it.
     send_record(kafka_bootstrap, topic, 0, uuid.uuid4(), key=b"crowded")
-    at = send_record(kafka_bootstrap, topic, 0, found, key=b"found")
+    at = sent.write(topic, 0, found, key=b"found")
 
     report = reconciler.run_once()
 
@@ -390,6 +492,8 @@ def test_on_a_compacted_topic_absence_is_proof_only_with_no_later_record_of_its_
     assert _message(database_url, found)[:3] == ("delivered", 0, at)
 
 
+# Idempotent delivery only: the records of a transactional batch are committed
+# together or not at all, so one cannot be lost while a later one is written.
 def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_resending(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
@@ -446,6 +550,8 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
     )
 
 
+# Idempotent delivery only: a fenced transactional session leaves nothing above
+# the high watermark to wait for (see the test after this one).
 def test_absence_is_proof_only_after_the_grace_but_a_record_found_is_delivered_at_once(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
@@ -466,8 +572,68 @@ def test_absence_is_proof_only_after_the_grace_but_a_record_found_is_delivered_a
     assert [d[0] for d in _decisions(database_url)] == [present, absent]
 
 
+def test_a_transactional_message_is_decided_at_once_after_the_fence(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Transactional delivery only: with its write deadline five minutes ahead and an
+    absence grace of an hour, an uncertain batch is decided in the first pass, once its
+    session is fenced. The first batch's commit reached the broker (its answer was lost):
+    found. The second session died inside its batch's transaction: the fence aborts it,
+    the session can commit nothing more, and its record is proven absent."""
+    with psycopg.connect(database_url) as conn:
+        committed = outbox.enqueue(conn, topic, b"v", key="c")
+    first = f"outbox-{uuid.uuid4()}-1"
+    partitions = make_uncertain_in_transaction(database_url, first, longest_send_seconds=300)
+    at = send_committed(kafka_bootstrap, first, topic, partitions[committed], committed, key=b"c")
+    with psycopg.connect(database_url) as conn:
+        left_open = outbox.enqueue(conn, topic, b"v", key="o")
+    second = f"outbox-{uuid.uuid4()}-2"
+    partitions |= make_uncertain_in_transaction(database_url, second, longest_send_seconds=300)
+    zombie = TransactionalSession(kafka_bootstrap, second)
+    try:
+        zombie.send(topic, partitions[left_open], left_open, key=b"o")
+        report = _reconcile_once(
+            database_url, KafkaLogScanner(kafka_bootstrap), absence_grace=LONG_ABSENCE_GRACE
+        )
+        with pytest.raises(KafkaError, match="ProducerFenced"):
+            zombie.commit()
+    finally:
+        zombie.close()
+
+    assert (report.delivered, report.pending) == ([committed], [left_open])
+    assert report.escalated == report.deferred == []
+    assert _message(database_url, committed)[:3] == ("delivered", partitions[committed], at)
+    assert _message(database_url, left_open)[0] == "pending"
+    assert [d[3] for d in _decisions(database_url)] == ["delivered", "pending"]
+    # The aborted record stays in the log, where only read_uncommitted consumers see it.
+    assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=True)} == {committed}
+    assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic)} == {committed, left_open}
+
+
+def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:
+    """A fence is tried from the publisher's loop: with no broker to answer it fails
+    within its timeout, and the loop goes on."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # nobody listens there once it is closed
+    fencer = KafkaFencer(f"127.0.0.1:{port}", timeout_ms=2000)
+    failures: list[BaseException] = []
+
+    def fence() -> None:
+        try:
+            fencer.fence("outbox-unreachable-1")
+        except Exception as exc:  # noqa: BLE001 - the failure is the expected outcome
+            failures.append(exc)
+
+    attempt = threading.Thread(target=fence, daemon=True)
+    attempt.start()
+    attempt.join(timeout=10)
+    assert not attempt.is_alive(), "the fence still waited 10 s after it began (timeout: 2 s)"
+    assert failures  # it failed: the session's messages wait for a later pass
+
+
 def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sent(
-    database_url: str, kafka_bootstrap: str
+    database_url: str, kafka_bootstrap: str, sent: Sent
 ) -> None:
     """The claim clears the partition an earlier attempt stored: once the topic has grown,
     the retry that becomes uncertain is looked for (and found) in the partition it went to."""
@@ -481,7 +647,7 @@ def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sen
         message_id = outbox.enqueue(conn, topic, b"v", key=key)
     # The first attempt, on one partition, is uncertain and then proven absent:
     # back to pending, with partition 0 stored.
-    assert make_uncertain(database_url, partitions=1) == {message_id: 0}
+    assert sent.make_uncertain(database_url, partitions=1) == {message_id: 0}
     assert _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap)).pending == [message_id]
     assert _message(database_url, message_id)[:3] == ("pending", 0, None)
     grow_topic(kafka_bootstrap, topic, 3)
@@ -492,8 +658,11 @@ def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sen
         assert batch is not None
         assert [m.id for m in batch.messages] == [message_id]
         assert _message(database_url, message_id)[:3] == ("in_flight", None, None)
-        assert store.mark_sending(batch, {topic: 3}, longest_send_seconds=0.0) == {message_id}
-        offset = send_record(kafka_bootstrap, topic, moved, message_id, key=key)
+        held = store.mark_sending(
+            batch, {topic: 3}, longest_send_seconds=0.0, transactional_id=sent.transactional_id
+        )
+        assert held == {message_id}
+        offset = sent.write(topic, moved, message_id, key=key)
         # The publisher dies before it settles: its lease expires, and recovery
         # makes the message uncertain from the batch's evidence alone.
         with psycopg.connect(database_url) as conn:
@@ -524,7 +693,7 @@ FOREIGN_ID_HEADERS: list[list[tuple[str, bytes]]] = [
 
 
 def test_records_with_foreign_or_undecodable_id_headers_do_not_stop_a_pass(
-    database_url: str, kafka_bootstrap: str
+    database_url: str, kafka_bootstrap: str, sent: Sent
 ) -> None:
     """Records of the messages' keys whose outbox-id is not a message id (undecodable, not a
     UUID, empty, repeated) are skipped: the pass still finds one message and proves the
@@ -533,12 +702,12 @@ def test_records_with_foreign_or_undecodable_id_headers_do_not_stop_a_pass(
     create_topic(kafka_bootstrap, topic, partitions=1)
     with psycopg.connect(database_url) as conn:
         found, absent = (outbox.enqueue(conn, topic, b"v", key=k) for k in ("found", "absent"))
-    assert make_uncertain(database_url, partitions=1) == {found: 0, absent: 0}
+    assert sent.make_uncertain(database_url, partitions=1) == {found: 0, absent: 0}
     foreign = [
         (key, headers) for key in (b"found", b"absent", None) for headers in FOREIGN_ID_HEADERS
     ]
     send_raw(kafka_bootstrap, topic, 0, foreign)
-    offset = send_record(kafka_bootstrap, topic, 0, found, key=b"found")
+    offset = sent.write(topic, 0, found, key=b"found")
     send_raw(kafka_bootstrap, topic, 0, foreign)
 
     report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
@@ -549,7 +718,7 @@ def test_records_with_foreign_or_undecodable_id_headers_do_not_stop_a_pass(
 
 
 def test_a_record_whose_outbox_id_header_has_no_value_does_not_stop_a_pass(
-    database_url: str, kafka_bootstrap: str
+    database_url: str, kafka_bootstrap: str, sent: Sent
 ) -> None:
     """A record of the message's key with a null outbox-id value (kafka-python's producer
     cannot write one; librdkafka can) is skipped, and the message is found after it."""
@@ -558,11 +727,11 @@ def test_a_record_whose_outbox_id_header_has_no_value_does_not_stop_a_pass(
     create_topic(kafka_bootstrap, topic, partitions=1)
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(conn, topic, b"v", key="k")
-    assert make_uncertain(database_url, partitions=1) == {message_id: 0}
+    assert sent.make_uncertain(database_url, partitions=1) == {message_id: 0}
     producer = ck.Producer({"bootstrap.servers": kafka_bootstrap, "acks": "all"})
     producer.produce(topic, value=b"foreign", key=b"k", partition=0, headers=[("outbox-id", None)])
     assert producer.flush(30) == 0
-    offset = send_record(kafka_bootstrap, topic, 0, message_id, key=b"k")
+    offset = sent.write(topic, 0, message_id, key=b"k")
     assert offset == 1  # the valueless record is before it
 
     report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
