@@ -342,11 +342,10 @@ def test_transactional_crash_before_the_commit_is_fenced_proven_absent_and_resen
     assert evidence == [("abandoned", True, BATCH)]
     assert _decisions(database_url) == {"pending": BATCH}
     # A read_uncommitted consumer may also read what the crashed transaction
-    # wrote before it was aborted: at most one more copy, of its batch only.
+    # wrote before it was aborted: copies of its batch only.
     copies = _ids_in_kafka(kafka_bootstrap, topic, committed=False)
     assert set(copies) == set(ids)
     assert {mid for mid, n in copies.items() if n > 1} <= crashed
-    assert max(copies.values()) <= 2
 
 
 def test_transactional_crash_after_the_commit_is_fenced_found_and_not_resent(

@@ -310,6 +310,8 @@ def test_broker_lost_during_a_commit_leaves_the_batch_uncertain_until_fenced(
         assert evidence["scan_to"] > evidence["scan_from"]  # the aborted records were read past
     assert count_by_state(database_url) == {"delivered": count}
     assert_each_read_once(database_url, kafka_bootstrap, topic, ids, committed=True)
-    # The aborted transaction's records stay in the log for read_uncommitted consumers.
+    # The aborted transaction's records stay in the log: a read_uncommitted
+    # consumer reads each message twice at least.
     copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
-    assert copies == Counter(dict.fromkeys(ids, 2))
+    assert set(copies) == set(ids)
+    assert min(copies.values()) >= 2
