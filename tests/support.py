@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -329,6 +330,57 @@ def stop_process(process: subprocess.Popen[str], sig: signal.Signals, *, timeout
             process.kill()
             process.communicate()
     return stderr
+
+
+class DrainedPublisher:
+    """An ``outbox-publisher`` process (``start_publisher``) whose output is read as it
+    comes.
+
+    A publisher that logs more than a pipe holds (64 KiB: an outage's
+    connection errors, a line per message decided) blocks on its next log
+    line until someone reads, and its loop stops turning. Reading its
+    stdout and stderr in background threads keeps a long run from waiting
+    on the test.
+    """
+
+    def __init__(
+        self,
+        database_url: str,
+        kafka_bootstrap: str,
+        *flags: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.process = start_publisher(database_url, kafka_bootstrap, *flags, env=env)
+        self._stderr: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.process.stdout, []), (self.process.stderr, self._stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: Any, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code, once the process has exited."""
+        return self.process.returncode
+
+    def stop(self, sig: signal.Signals, *, timeout: float) -> str:
+        """Send ``sig``, wait for the exit and return stderr; kill the process if it hangs."""
+        try:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            for reader in self._readers:
+                reader.join(timeout=10)
+        return "".join(self._stderr)
 
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
