@@ -75,13 +75,13 @@ def _batch_ids(database_url: str, offset: int) -> set[uuid.UUID]:
     return set(row[0])
 
 
-def _crash(database_url: str, kafka_bootstrap: str, cut: str, *flags: str) -> str:
+def _crash(database_url: str, kafka_bootstrap: str, cut: str, *flags: str, batch: int = 2) -> str:
     process = start_publisher(
-        database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_CRASH_AT": f"{cut}:2"}
+        database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_CRASH_AT": f"{cut}:{batch}"}
     )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == CRASH_EXIT_CODE, stderr
-    assert f"injected crash at {cut} (batch 2)" in stderr
+    assert f"injected crash at {cut} (batch {batch})" in stderr
     return stderr
 
 
@@ -249,9 +249,9 @@ def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
 
 
 def _recover_by_hand(database_url: str, crashed: set[uuid.UUID]) -> None:
-    """Once the crashed publisher's lease expired, recovery makes its batch uncertain."""
+    """Once the crashed publisher's leases expired, recovery makes its batches uncertain."""
     wait_until(
-        lambda: status_line(database_url, "in_flight")["leases_expired"] == BATCH,
+        lambda: status_line(database_url, "in_flight")["leases_expired"] == len(crashed),
         timeout=30,
         interval=0.2,
         what="the crashed publisher's lease to expire",
@@ -263,11 +263,6 @@ def _recover_by_hand(database_url: str, crashed: set[uuid.UUID]) -> None:
         store.close()
     assert {r.message_id for r in recovered} == crashed
     assert {r.state.value for r in recovered} == {"uncertain"}  # sending had begun
-    assert count_by_state(database_url) == {
-        "delivered": BATCH,
-        "uncertain": BATCH,
-        "pending": TOTAL - 2 * BATCH,
-    }
 
 
 def _reconcile_by_hand(
@@ -324,6 +319,11 @@ def test_transactional_crash_before_the_commit_is_fenced_proven_absent_and_resen
     assert max(committed_before.values()) == 1
 
     _recover_by_hand(database_url, crashed)
+    assert count_by_state(database_url) == {
+        "delivered": BATCH,
+        "uncertain": BATCH,
+        "pending": TOTAL - 2 * BATCH,
+    }
     delivered, pending, logged = _reconcile_by_hand(database_url, kafka_bootstrap, caplog)
     assert f"fenced producer session {crashed_session}" in logged
     assert delivered == []
@@ -375,6 +375,11 @@ def test_transactional_crash_after_the_commit_is_fenced_found_and_not_resent(
     committed_at = {r.outbox_id: (r.partition, r.offset) for r in records if r.outbox_id in crashed}
 
     _recover_by_hand(database_url, crashed)
+    assert count_by_state(database_url) == {
+        "delivered": BATCH,
+        "uncertain": BATCH,
+        "pending": TOTAL - 2 * BATCH,
+    }
     delivered, pending, logged = _reconcile_by_hand(database_url, kafka_bootstrap, caplog)
     assert f"fenced producer session {crashed_session}" in logged
     assert pending == []
@@ -397,3 +402,60 @@ def test_transactional_crash_after_the_commit_is_fenced_found_and_not_resent(
     copies = _ids_in_kafka(kafka_bootstrap, topic, committed=False)
     assert set(copies) == set(ids)
     assert max(copies.values()) == 1
+
+
+@pytest.mark.parametrize(
+    "crash_at",
+    [
+        pytest.param(("after_send", 3), id="before_the_commit"),
+        pytest.param(("after_commit", 1), id="after_the_commit"),
+    ],
+)
+def test_transactional_crash_in_a_transaction_of_several_batches_decides_them_together(
+    database_url: str,
+    kafka_bootstrap: str,
+    topic: str,
+    caplog: pytest.LogCaptureFixture,
+    crash_at: tuple[str, int],
+) -> None:
+    """Under backlog the full batches claimed ahead join the open transaction. A crash
+    before its commit (the third batch handed over) leaves every batch of it in flight and
+    nothing committed: fenced, all proven absent and sent again. A crash after the commit
+    leaves them in flight too, all committed: fenced, all found, nothing sent again."""
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(TOTAL)]
+        )  # every message its own key: each full batch claimed ahead joins the transaction
+    cut, batch = crash_at
+    _crash(database_url, kafka_bootstrap, cut, *TRANSACTIONAL, batch=batch)
+
+    committed = cut == "after_commit"
+    batches = _batches(database_url)
+    assert [(began, settled) for began, settled, _ in batches] == [(True, False)] * 3
+    assert len({session for *_, session in batches}) == 1  # one session, one transaction
+    assert {mid for offset in range(3) for mid in _batch_ids(database_url, offset)} == set(ids)
+    assert count_by_state(database_url) == {"in_flight": TOTAL}
+    records = read_topic(kafka_bootstrap, topic, committed=True)
+    assert Counter(r.outbox_id for r in records) == (Counter(ids) if committed else Counter())
+    committed_at = {r.outbox_id: (r.partition, r.offset) for r in records}
+
+    _recover_by_hand(database_url, set(ids))
+    assert count_by_state(database_url) == {"uncertain": TOTAL}
+    delivered, pending, logged = _reconcile_by_hand(database_url, kafka_bootstrap, caplog)
+    assert logged.count("fenced producer session") == 1
+    if committed:
+        assert (set(delivered), pending) == (set(ids), [])
+        with psycopg.connect(database_url) as conn:
+            stored = {
+                mid: (p, o)
+                for mid, p, o in conn.execute(
+                    "SELECT id, kafka_partition, kafka_offset FROM outbox.messages"
+                )
+            }
+        assert stored == committed_at
+    else:
+        assert (delivered, set(pending)) == ([], set(ids))
+
+    evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
+    assert evidence == [("abandoned", True, TOTAL)]
+    assert _decisions(database_url) == {"delivered" if committed else "pending": TOTAL}
