@@ -173,8 +173,10 @@ class KafkaLogScanner:
                 group_id=None,
                 enable_auto_commit=False,
                 # Fail within seconds when the broker is away, instead of the
-                # consumer's default of five minutes; the pass is simply retried.
+                # consumer's default of five minutes (and of 30 s to find a
+                # broker at all); the pass is simply retried.
                 request_timeout_ms=15_000,
+                bootstrap_timeout_ms=15_000,
                 # A position below the log start (retention deleted it while
                 # the scan ran) must fail the scan. kafka-python's default
                 # would jump to the end of the log and read nothing more.
@@ -254,6 +256,7 @@ class KafkaLogScanner:
                 bootstrap_servers=self._bootstrap_servers,
                 client_id="outbox-reconciler-admin",
                 request_timeout_ms=15_000,
+                bootstrap_timeout_ms=15_000,
             )
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})
         described = self._admin.describe_configs([resource], config_filter="all")

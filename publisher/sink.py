@@ -371,6 +371,8 @@ class KafkaSink:
             bootstrap_servers=self._config.bootstrap_servers,
             client_id=f"{self._config.client_id}-admin",
             request_timeout_ms=self._config.request_timeout_ms,
+            # Not kafka-python's 30 s to find a broker: the loop waits on this.
+            bootstrap_timeout_ms=self._config.request_timeout_ms,
         )
         try:
             return set(admin.list_topics())
