@@ -53,6 +53,7 @@ import outbox
 from outbox.queries import parse_queries
 from outbox.states import State
 from publisher.config import PublisherConfig
+from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
 from publisher.store import PublisherStore, Settlement
 
@@ -178,7 +179,7 @@ def database_cycle(
             settlements = []
             for m in batch.messages:
                 settlements.append(
-                    Settlement(m.id, m.fence, State.DELIVERED, "delivered", 0, offset)
+                    Settlement(m.id, m.fence, State.DELIVERED, AttemptOutcome.DELIVERED, 0, offset)
                 )
                 offset += 1
             store.settle(batch, settlements)

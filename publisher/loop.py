@@ -48,6 +48,7 @@ from publisher.outcomes import (
     ATTEMPT_OUTCOME,
     FENCING_ERRORS,
     NEXT_STATE,
+    AttemptOutcome,
     SendOutcome,
     TopicMissing,
     TransactionEnd,
@@ -799,7 +800,7 @@ class Publisher:
             if s.state is State.DELIVERED:
                 t.delivered += 1
                 delivered[message.topic] += 1
-            elif s.attempt_outcome == "abandoned":
+            elif s.attempt_outcome is AttemptOutcome.ABANDONED:
                 t.released += 1
             elif s.state is State.PENDING:
                 t.retried += 1
@@ -980,7 +981,7 @@ def _unsent(m: ClaimedMessage, reason: str, *, send_began: bool = False) -> Sett
         message_id=m.id,
         fence=m.fence,
         state=State.PENDING,
-        attempt_outcome="abandoned",
+        attempt_outcome=AttemptOutcome.ABANDONED,
         error=reason,
         send_began=send_began,
         send_alone=m.send_alone,

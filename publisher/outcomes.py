@@ -9,7 +9,7 @@ is decided later from evidence, never by resending blindly.
 from __future__ import annotations
 
 import random
-from enum import Enum
+from enum import Enum, StrEnum
 
 from kafka import errors as kafka_errors
 
@@ -37,12 +37,28 @@ NEXT_STATE: dict[SendOutcome, State] = {
     SendOutcome.NON_RETRIABLE: State.QUARANTINED,
 }
 
-#: The attempt outcome recorded in ``outbox.attempts`` for each send outcome.
-ATTEMPT_OUTCOME: dict[SendOutcome, str] = {
-    SendOutcome.CONFIRMED: "delivered",
-    SendOutcome.NOT_WRITTEN: "failed",
-    SendOutcome.UNCERTAIN: "uncertain",
-    SendOutcome.NON_RETRIABLE: "failed",
+
+class AttemptOutcome(StrEnum):
+    """How one attempt to deliver a message ended (``outbox.attempts.outcome``)."""
+
+    #: The broker confirmed it. No attempt row is written: its batch is the record.
+    DELIVERED = "delivered"
+    #: Not written (a retry follows), or refused for its content (quarantined).
+    FAILED = "failed"
+    #: It may be in Kafka: the reconciler decides.
+    UNCERTAIN = "uncertain"
+    #: Given back unsent (held back, the hand-over window closed, the publisher
+    #: stopping, its transaction aborted), or recovered after its lease
+    #: expired: no failure is counted.
+    ABANDONED = "abandoned"
+
+
+#: The attempt outcome recorded for each send outcome.
+ATTEMPT_OUTCOME: dict[SendOutcome, AttemptOutcome] = {
+    SendOutcome.CONFIRMED: AttemptOutcome.DELIVERED,
+    SendOutcome.NOT_WRITTEN: AttemptOutcome.FAILED,
+    SendOutcome.UNCERTAIN: AttemptOutcome.UNCERTAIN,
+    SendOutcome.NON_RETRIABLE: AttemptOutcome.FAILED,
 }
 
 

@@ -27,6 +27,7 @@ from psycopg.types.json import Jsonb
 from outbox.queries import query
 from outbox.states import State
 from publisher.connector import connect
+from publisher.outcomes import AttemptOutcome
 
 
 # Not frozen: one is built per message, and a frozen dataclass's __init__
@@ -73,7 +74,7 @@ class Settlement:
     message_id: uuid.UUID
     fence: int
     state: State
-    attempt_outcome: str
+    attempt_outcome: AttemptOutcome
     partition: int | None = None
     offset: int | None = None
     retry_after: float = 0.0

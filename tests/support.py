@@ -29,6 +29,7 @@ from publisher.app import build_publisher
 from publisher.config import DELIVERY_MODES as _DELIVERY_MODES
 from publisher.config import PublisherConfig
 from publisher.loop import Totals
+from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
 from publisher.store import PublisherStore, Settlement
 
@@ -474,7 +475,7 @@ def _make_uncertain(
                     m.id,
                     m.fence,
                     State.UNCERTAIN,
-                    "uncertain",
+                    AttemptOutcome.UNCERTAIN,
                     partition=chosen[m.id],
                     error="KafkaTimeoutError: Expiring 1 record(s)",
                 )

@@ -18,6 +18,7 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
 from tests.support import (
     claiming_store,
@@ -77,7 +78,7 @@ def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
         retrying,
         batch.messages[0].fence,
         State.PENDING,
-        "failed",
+        AttemptOutcome.FAILED,
         retry_after=3600,
         error="KafkaConnectionError: broker away",
         counts_as_failure=True,

@@ -12,6 +12,7 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
 from tests.support import claiming_store
 
@@ -89,7 +90,7 @@ def test_settle_of_a_batch_recovery_closed_changes_nothing(database_url: str) ->
         message_id,
         old_batch.messages[0].fence,
         State.DELIVERED,
-        "delivered",
+        AttemptOutcome.DELIVERED,
         partition=0,
         offset=123,
     )
@@ -103,7 +104,12 @@ def test_settle_of_a_batch_recovery_closed_changes_nothing(database_url: str) ->
     assert attempts == [("abandoned",)]  # recovery's record; nothing from the stale settle
 
     current = Settlement(
-        message_id, new_batch.messages[0].fence, State.DELIVERED, "delivered", partition=2, offset=7
+        message_id,
+        new_batch.messages[0].fence,
+        State.DELIVERED,
+        AttemptOutcome.DELIVERED,
+        partition=2,
+        offset=7,
     )
     assert new.settle(new_batch, [current]) == {message_id}
     assert _row(database_url, message_id)[:6] == ("delivered", 2, 2, None, 2, 7)
@@ -123,7 +129,7 @@ def test_settle_with_a_stale_fence_leaves_that_message_alone(database_url: str) 
     with psycopg.connect(database_url) as conn:
         conn.execute("UPDATE outbox.messages SET fence = fence + 5 WHERE id = %s", (moved,))
     settlements = [
-        Settlement(m.id, m.fence, State.DELIVERED, "delivered", partition=0, offset=i)
+        Settlement(m.id, m.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=0, offset=i)
         for i, m in enumerate(batch.messages)
     ]
     assert store.settle(batch, settlements) == {kept}
@@ -142,12 +148,22 @@ def test_settle_records_each_outcome_and_the_attempts_that_did_not_deliver(
     assert batch is not None
     f = [m.fence for m in batch.messages]
     settlements = [
-        Settlement(ids[0], f[0], State.DELIVERED, "delivered", partition=1, offset=5),
+        Settlement(ids[0], f[0], State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=5),
         Settlement(
-            ids[1], f[1], State.PENDING, "failed", retry_after=30, error="E1", send_began=False
+            ids[1],
+            f[1],
+            State.PENDING,
+            AttemptOutcome.FAILED,
+            retry_after=30,
+            error="E1",
+            send_began=False,
         ),
-        Settlement(ids[2], f[2], State.UNCERTAIN, "uncertain", partition=2, error="E2"),
-        Settlement(ids[3], f[3], State.QUARANTINED, "failed", error="E3", send_began=False),
+        Settlement(
+            ids[2], f[2], State.UNCERTAIN, AttemptOutcome.UNCERTAIN, partition=2, error="E2"
+        ),
+        Settlement(
+            ids[3], f[3], State.QUARANTINED, AttemptOutcome.FAILED, error="E3", send_began=False
+        ),
     ]
     assert store.settle(batch, settlements) == set(ids)
     with psycopg.connect(database_url) as conn:

@@ -17,6 +17,7 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
 from tests.support import (
     DELIVERY_MODES,
@@ -134,7 +135,7 @@ def _quarantine_head(database_url: str, topic: str, key: str) -> tuple[uuid.UUID
                 ids[0],
                 batch.messages[0].fence,
                 State.QUARANTINED,
-                "failed",
+                AttemptOutcome.FAILED,
                 error="MessageSizeTooLargeError: too big",
                 send_began=True,
             )
@@ -226,7 +227,7 @@ def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None
                 ids[0],
                 first.messages[0].fence,
                 State.PENDING,
-                "failed",
+                AttemptOutcome.FAILED,
                 retry_after=60,
                 error="KafkaTimeoutError",
                 send_began=False,

@@ -24,6 +24,7 @@ from kafka.errors import KafkaError
 import outbox
 from outbox.states import State
 from publisher.fencing import KafkaFencer
+from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.scanner import KafkaLogScanner
@@ -520,16 +521,23 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
                     first,
                     fences[first],
                     State.UNCERTAIN,
-                    "uncertain",
+                    AttemptOutcome.UNCERTAIN,
                     partition=partition,
                     error="KafkaTimeoutError: Expiring 1 record(s)",
                 ),
-                Settlement(second, fences[second], State.DELIVERED, "delivered", partition, offset),
+                Settlement(
+                    second,
+                    fences[second],
+                    State.DELIVERED,
+                    AttemptOutcome.DELIVERED,
+                    partition,
+                    offset,
+                ),
                 Settlement(
                     other,
                     fences[other],
                     State.UNCERTAIN,
-                    "uncertain",
+                    AttemptOutcome.UNCERTAIN,
                     partition=other_partition,
                     error="KafkaTimeoutError: Expiring 1 record(s)",
                 ),

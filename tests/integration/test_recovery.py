@@ -11,6 +11,7 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.outcomes import AttemptOutcome
 from publisher.store import Recovered, Settlement
 from tests.support import claiming_store, fetch_rows, wait_until
 
@@ -173,7 +174,7 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
         batch.id,
     ) == [(None, None)]
     settlements = [
-        Settlement(m.id, m.fence, State.DELIVERED, "delivered", partition=0, offset=i)
+        Settlement(m.id, m.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=0, offset=i)
         for i, m in enumerate(batch.messages)
     ]
     assert old.settle(batch, settlements) == set()
@@ -279,7 +280,9 @@ def test_uncertain_message_is_work_until_escalated(database_url: str) -> None:
     assert batch is not None
     store.mark_sending(batch, {"t": 3}, longest_send_seconds=50)
     [m] = batch.messages
-    uncertain = Settlement(m.id, m.fence, State.UNCERTAIN, "uncertain", partition=0, error="E")
+    uncertain = Settlement(
+        m.id, m.fence, State.UNCERTAIN, AttemptOutcome.UNCERTAIN, partition=0, error="E"
+    )
     assert store.settle(batch, [uncertain]) == {message_id}
     assert store.work_left() is True
     due = store.seconds_until_due()

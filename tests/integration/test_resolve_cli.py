@@ -12,6 +12,7 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
 from tests.support import (
     claiming_store,
@@ -63,7 +64,7 @@ def _quarantined(database_url: str) -> uuid.UUID:
         m.id,
         m.fence,
         State.QUARANTINED,
-        "failed",
+        AttemptOutcome.FAILED,
         error="MessageSizeTooLargeError",
         send_began=False,
     )
@@ -79,7 +80,9 @@ def _delivered(database_url: str) -> uuid.UUID:
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
     [m] = batch.messages
-    confirmed = Settlement(m.id, m.fence, State.DELIVERED, "delivered", partition=1, offset=4)
+    confirmed = Settlement(
+        m.id, m.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=4
+    )
     assert store.settle(batch, [confirmed]) == {message_id}
     store.close()
     return message_id
