@@ -145,6 +145,8 @@ class Freeze:
     #: delivered while it was frozen.
     pending_at_freeze: int = 0
     delivered_meanwhile: int = 0
+    #: Messages read twice (read_committed) that were in a batch it held when it froze.
+    duplicated_from_its_batches: int = 0
 
 
 def plan_freezes(
@@ -245,13 +247,15 @@ def patiently(action: Callable[[], T], timeout: float = 180.0) -> T:
 
 
 class Writer(threading.Thread):
-    """Enqueues ``count`` keyed messages in small transactions over ``span`` seconds.
+    """Enqueues ``count`` keyed messages in small transactions, keeping pace with the freezes.
 
-    It keeps an even pace on average but writes in bursts of a few hundred
-    to 1,500 messages, as fast as it can: the publishers then have full
-    batches to work on, not a trickle of one message per claim. It never
-    gets ahead of the freezes (``schedule``: the share of them begun), so
-    that work still comes while the last ones are done.
+    ``share()`` says what share of its messages it may have written by now:
+    it grows evenly over each freeze's time (the gap before it and its
+    length), so work comes during every freeze and none is left over when
+    the last one ends. The writer waits until a burst (a fifth of its share
+    of one freeze, up to all of it) is due, then writes it as fast as it
+    can: the publishers have full batches to work on at times, not a
+    trickle of one message per claim, and are idle at others.
     """
 
     def __init__(
@@ -261,14 +265,14 @@ class Writer(threading.Thread):
         keys: Sequence[str],
         count: int,
         *,
-        span: float,
-        schedule: Callable[[], float],
+        share: Callable[[], float],
+        freezes: int,
         seed: int,
     ) -> None:
         super().__init__(name=f"writer-{seed}", daemon=True)
-        self.url, self.topic, self.keys, self.count, self.span = url, topic, keys, count, span
-        self.schedule = schedule
+        self.url, self.topic, self.keys, self.count, self.share = url, topic, keys, count, share
         self.rng = random.Random(seed)
+        self.largest_burst = max(count // max(freezes, 1), 20)
         self.ids: list[uuid.UUID] = []
         self.transactions = 0
         self.reconnections = 0
@@ -276,37 +280,43 @@ class Writer(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        """Enqueue, keeping pace with the span; keep the first error."""
+        """Enqueue, keeping pace with the freezes; keep the first error."""
         try:
-            start = time.monotonic()
-            target = 0
+            burst = self.burst()
             while len(self.ids) < self.count:
-                if len(self.ids) >= target:
-                    # The next burst, once the even pace would have written it all.
-                    target = min(target + self.rng.randint(200, 1_500), self.count)
-                    while target > self.count * min(
-                        (time.monotonic() - start) / self.span, self.schedule()
-                    ):
-                        time.sleep(0.05)
-                size = min(self.rng.randint(1, 20), target - len(self.ids))
-                messages = [
-                    outbox.Message(
-                        self.topic,
-                        json.dumps({"writer": self.name, "n": n}),
-                        key=self.rng.choice(self.keys),
-                        # A transaction retried after a lost connection may have
-                        # committed: the key makes the retry write nothing new.
-                        idempotency_key=f"{self.name}:{n}",
-                    )
-                    for n in range(len(self.ids), len(self.ids) + size)
-                ]
-                self.ids.extend(self.enqueue(messages))
-                self.transactions += 1
+                allowed = min(round(self.count * self.share()), self.count)
+                if allowed - len(self.ids) < min(burst, self.count - len(self.ids)):
+                    time.sleep(0.05)
+                    continue
+                end = len(self.ids) + min(burst, self.count - len(self.ids))
+                while len(self.ids) < end:
+                    size = min(self.rng.randint(1, 20), end - len(self.ids))
+                    self.ids.extend(self.enqueue(self.messages(len(self.ids), size)))
+                    self.transactions += 1
+                burst = self.burst()
         except BaseException as exc:  # noqa: BLE001 - reported by the run, which then fails
             self.error = exc
         finally:
             if self.conn is not None:
                 self.conn.close()
+
+    def burst(self) -> int:
+        """The size of the next burst."""
+        return self.rng.randint(self.largest_burst // 5, self.largest_burst)
+
+    def messages(self, first: int, size: int) -> list[outbox.Message]:
+        """Messages ``first`` to ``first + size`` of this writer, each with a random key."""
+        return [
+            outbox.Message(
+                self.topic,
+                json.dumps({"writer": self.name, "n": n}),
+                key=self.rng.choice(self.keys),
+                # A transaction retried after a lost connection may have
+                # committed: the key makes the retry write nothing new.
+                idempotency_key=f"{self.name}:{n}",
+            )
+            for n in range(first, first + size)
+        ]
 
     def enqueue(self, messages: list[outbox.Message]) -> list[uuid.UUID]:
         """Enqueue in one transaction; again on a new connection if the database went away."""
@@ -428,8 +438,11 @@ class Run:
         self.slots: list[subprocess.Popen[bytes]] = []
         self.retired: list[subprocess.Popen[bytes]] = []
         self.started = 0
-        #: Freezes begun so far: the writers keep pace with them.
+        #: Freezes begun so far, when the last began and how long it is
+        #: planned to take (gap and length): the writers keep pace with them.
         self.begun = 0
+        self.slot_began = 0.0
+        self.slot_seconds = 1.0
         self.began = time.monotonic()
 
     # --- publishers ---
@@ -452,15 +465,30 @@ class Run:
 
     # --- freezes ---
 
+    def begin(self, freeze: Freeze) -> None:
+        """The writers' share for ``freeze`` begins to come."""
+        self.begun += 1
+        self.slot_began = time.monotonic()
+        self.slot_seconds = freeze.gap_seconds + freeze.planned_seconds
+
+    def share(self, freezes: int) -> float:
+        """The share of their messages the writers may have written by now."""
+        if not freezes:
+            return 1.0
+        if not self.begun:
+            return 0.0
+        into = min((time.monotonic() - self.slot_began) / self.slot_seconds, 1.0)
+        return (self.begun - 1 + into) / freezes
+
     def freeze_at_random(self, freeze: Freeze) -> None:
         """SIGSTOP a random publisher now; SIGCONT it after the planned time."""
         freeze.slot = self.rng.randrange(len(self.slots))
         process = self.slots[freeze.slot]
         if freeze.aim == IN_A_BATCH:
-            if wait_for_claim(self.url, process.pid, timeout=10):
+            if wait_for_claim(self.url, process.pid, timeout=30):
                 time.sleep(self.rng.uniform(0.0, 0.03))
             else:
-                freeze.aim = f"{IN_A_BATCH} (none came within 10 s)"
+                freeze.aim = f"{IN_A_BATCH} (none came within 30 s)"
         process.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         wait_until(lambda: is_frozen(process.pid), timeout=5, interval=0.01, what="SIGSTOP")
@@ -477,6 +505,7 @@ class Run:
         stop_and_wait(old, signal.SIGTERM, timeout=60)
         process = self.start_publisher({"OUTBOX_PAUSE_AT": f"{freeze.cut}:{freeze.cut_batch}"})
         self.slots[freeze.slot] = process
+        self.begin(freeze)  # work for it to reach its cut with
         try:
             wait_until(
                 lambda: is_frozen(process.pid) or process.poll() is not None,
@@ -545,19 +574,19 @@ class Run:
         self.slots = [self.start_publisher() for _ in range(args.publishers)]
         patiently(lambda: wait_for_publishers(self.url, args.publishers, timeout=60))
         keys = [f"key-{k:04d}" for k in range(args.keys)]
-        shares = [args.messages // args.writers + (i < args.messages % args.writers)
+        counts = [args.messages // args.writers + (i < args.messages % args.writers)
                   for i in range(args.writers)]  # fmt: skip
         writers = [
             Writer(
                 self.url,
                 self.topic,
                 keys,
-                share,
-                span=schedule,
-                schedule=lambda: self.begun / len(plan) if plan else 1.0,
+                count,
+                share=lambda: self.share(len(plan)),
+                freezes=len(plan),
                 seed=self.rng.randrange(2**31),
             )
-            for share in shares
+            for count in counts
         ]
         for w in writers:
             w.start()
@@ -566,11 +595,12 @@ class Run:
         stall: dict[str, Any] | None = None
         try:
             for freeze in plan:
-                self.begun += 1
-                time.sleep(freeze.gap_seconds)
                 if freeze.cut is None:
+                    self.begin(freeze)
+                    time.sleep(freeze.gap_seconds)
                     self.freeze_at_random(freeze)
                 else:
+                    time.sleep(freeze.gap_seconds)
                     self.freeze_at_cut(freeze)
             for w in writers:
                 w.join()
@@ -632,6 +662,8 @@ class Run:
             **self.examine(set(ids)),
             "log_events": self.log_events(),
         }
+        self.trace_duplicates(plan, result["read_committed"]["duplicated_ids"])
+        result["freezes"] = [asdict(f) for f in plan]
         result["failures"] = failures(result)
         return result
 
@@ -746,6 +778,26 @@ class Run:
             "most_attempts": retried[1] if retried else None,
         }
 
+    def trace_duplicates(self, plan: list[Freeze], duplicated: list[str]) -> None:
+        """Count, for each freeze, the duplicated messages that were in a batch it held."""
+        if not duplicated:
+            return
+
+        def attempts() -> list[tuple[Any, ...]]:
+            with psycopg.connect(self.url) as conn:
+                return conn.execute(
+                    "SELECT message_id, publisher_id::text, batch_id FROM outbox.attempts "
+                    "WHERE message_id = ANY(%s::uuid[])",
+                    (duplicated,),
+                ).fetchall()
+
+        tried = {(publisher, batch, message) for message, publisher, batch in patiently(attempts)}
+        for f in plan:
+            held = {b["batch"] for b in f.batches}
+            f.duplicated_from_its_batches = len(
+                {m for p, b, m in tried if p == f.publisher_id and b in held}
+            )
+
     def log_events(self) -> dict[str, int]:
         """How often each notable event appears in the publishers' logs."""
         text = "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("*.log")))
@@ -803,7 +855,7 @@ def consumer_view(
         "first_order_violations": violations[:10],
         "keys_in_several_partitions": split_keys,
         "stored_location_not_found": len(misplaced),
-        "first_duplicated": [str(i) for i, n in copies.items() if n > 1][:10],
+        "duplicated_ids": [str(i) for i, n in copies.items() if n > 1],
     }
 
 
@@ -901,6 +953,12 @@ def summarise(result: dict[str, Any]) -> None:
     )
     events = ", ".join(f"{k} {v}" for k, v in result["log_events"].items() if v)
     print(f"  in the logs: {events or 'nothing notable'}")
+    traced = [f for f in freezes if f["duplicated_from_its_batches"]]
+    for f in traced:
+        print(
+            f"  freeze {f['number']} ({f['phase']}, {f['held_seconds']} s, publisher pid "
+            f"{f['pid']}): {f['duplicated_from_its_batches']} of its messages read twice"
+        )
     print(
         f"  run time {result['seconds_total']:.0f} s (writing {result['seconds_writing']:.0f} s, "
         f"draining {result['seconds_draining']} s); exit codes {result['exit_codes']}, "
