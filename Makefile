@@ -60,8 +60,8 @@ bench: venv services
 	$(WITH_SERVICES) $(BIN)/python benchmarks/publishers.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/sinks.py --record
 
-# Not a test: about ten minutes. It imports test helpers (tests/support.py), and its
-# publishers must run this checkout's code, hence PYTHONPATH.
+# Not a test: five to ten minutes per delivery mode. It imports test helpers
+# (tests/support.py), and its publishers must run this checkout's code, hence PYTHONPATH.
 soak-freeze: venv services
 	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/freeze_soak.py $(SOAK_ARGS)
 
