@@ -147,6 +147,9 @@ class Freeze:
     delivered_meanwhile: int = 0
     #: Messages read twice (read_committed) that were in a batch it held when it froze.
     duplicated_from_its_batches: int = 0
+    #: Just before it was woken: each transaction it had left open (its last
+    #: statement) and how many other sessions were waiting for its locks.
+    open_transactions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def plan_freezes(
@@ -390,6 +393,30 @@ def phase_of(url: str, pid: int) -> tuple[str | None, str, list[dict[str, Any]]]
     return publisher_id, " + ".join(phases) or "idle", held
 
 
+def open_transactions(url: str, publisher_id: str | None) -> list[dict[str, Any]]:
+    """The transactions a (frozen) publisher left open, and how many sessions wait for each."""
+    if publisher_id is None:
+        return []
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            rows = conn.execute(
+                """
+                SELECT left(a.query, 100),
+                       extract(epoch FROM now() - a.xact_start)::float8,
+                       (SELECT count(*) FROM pg_stat_activity AS w
+                        WHERE a.pid = ANY(pg_blocking_pids(w.pid)))
+                FROM pg_stat_activity AS a
+                WHERE a.datname = current_database()
+                  AND a.application_name = %s
+                  AND a.state LIKE 'idle in transaction%%'
+                """,
+                (f"outbox-publisher {publisher_id}",),
+            ).fetchall()
+    except psycopg.Error:
+        return []
+    return [{"last_statement": q, "open_seconds": round(t, 1), "waiting": n} for q, t, n in rows]
+
+
 def wait_for_claim(url: str, pid: int, timeout: float) -> bool:
     """Wait until publisher process ``pid`` holds a claim; whether it did in time."""
     deadline = time.monotonic() + timeout
@@ -437,6 +464,8 @@ class Run:
         self.timing = Timing.of(config_of(self.flags, base_url, bootstrap))
         self.slots: list[subprocess.Popen[bytes]] = []
         self.retired: list[subprocess.Popen[bytes]] = []
+        #: Publishers that exited on their own during the run.
+        self.deaths: list[dict[str, Any]] = []
         self.started = 0
         #: Freezes begun so far, when the last began and how long it is
         #: planned to take (gap and length): the writers keep pace with them.
@@ -480,8 +509,25 @@ class Run:
         into = min((time.monotonic() - self.slot_began) / self.slot_seconds, 1.0)
         return (self.begun - 1 + into) / freezes
 
+    def replace_the_dead(self) -> None:
+        """Replace each publisher that exited on its own (it failed); note it."""
+        for slot, process in enumerate(self.slots):
+            if process.poll() is not None:
+                self.deaths.append(
+                    {"slot": slot + 1, "pid": process.pid, "exit_code": process.returncode,
+                     "noticed_at_seconds": self.clock()}
+                )  # fmt: skip
+                print(
+                    f"  publisher {slot + 1} (pid {process.pid}) exited on its own with "
+                    f"{process.returncode}; replaced",
+                    flush=True,
+                )
+                self.retired.append(process)
+                self.slots[slot] = self.start_publisher()
+
     def freeze_at_random(self, freeze: Freeze) -> None:
         """SIGSTOP a random publisher now; SIGCONT it after the planned time."""
+        self.replace_the_dead()
         freeze.slot = self.rng.randrange(len(self.slots))
         process = self.slots[freeze.slot]
         if freeze.aim == IN_A_BATCH:
@@ -491,7 +537,12 @@ class Run:
                 freeze.aim = f"{IN_A_BATCH} (none came within 30 s)"
         process.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_until(lambda: is_frozen(process.pid), timeout=5, interval=0.01, what="SIGSTOP")
+        wait_until(
+            lambda: is_frozen(process.pid) or process.poll() is not None,
+            timeout=5,
+            interval=0.01,
+            what="SIGSTOP",
+        )
         freeze.at_seconds = self.clock()
         freeze.publisher_id, freeze.phase, freeze.batches = phase_of(self.url, process.pid)
         self.hold(process, freeze, stopped)
@@ -499,6 +550,7 @@ class Run:
     def freeze_at_cut(self, freeze: Freeze) -> None:
         """Replace a publisher by one that freezes itself at the planned cut; wake it later."""
         assert freeze.cut is not None
+        self.replace_the_dead()
         freeze.slot = self.rng.randrange(len(self.slots))
         old = self.slots[freeze.slot]
         self.retired.append(old)
@@ -537,6 +589,7 @@ class Run:
         before = patiently(lambda: count_by_state(self.url))
         freeze.pending_at_freeze = before.get("pending", 0)
         time.sleep(max(freeze.planned_seconds - (time.monotonic() - stopped), 0.0))
+        freeze.open_transactions = open_transactions(self.url, freeze.publisher_id)
         process.send_signal(signal.SIGCONT)
         freeze.held_seconds = round(time.monotonic() - stopped, 2)
         after = patiently(lambda: count_by_state(self.url))
@@ -604,6 +657,7 @@ class Run:
                     self.freeze_at_cut(freeze)
             for w in writers:
                 w.join()
+            self.replace_the_dead()
             written = self.clock()
             drained = self.drain(sum(w.count for w in writers))
             if drained is None:
@@ -654,6 +708,7 @@ class Run:
             "services_restarted": restarted,
             "exit_codes": codes,
             "exit_codes_replaced": retired,
+            "publishers_died": self.deaths,
             "freezes_asked": args.freezes,
             "freezes": [asdict(f) for f in plan],
             "database": self.database,
@@ -891,6 +946,8 @@ def failures(result: dict[str, Any]) -> list[str]:
     done = [f for f in result["freezes"] if f["held_seconds"] and not f["cut"]]
     if len(done) < result["freezes_asked"]:
         found.append(f"{len(done)} freezes at random moments, not {result['freezes_asked']}")
+    if result["publishers_died"]:
+        found.append(f"publishers exited on their own: {result['publishers_died']}")
     if any(code != 0 for code in result["exit_codes"] + result["exit_codes_replaced"]):
         found.append(
             f"publisher exit codes {result['exit_codes']}, replaced "
@@ -953,6 +1010,16 @@ def summarise(result: dict[str, Any]) -> None:
     )
     events = ", ".join(f"{k} {v}" for k, v in result["log_events"].items() if v)
     print(f"  in the logs: {events or 'nothing notable'}")
+    blocking = [f for f in freezes if any(t["waiting"] for t in f["open_transactions"])]
+    for f in blocking:
+        waiting = sum(t["waiting"] for t in f["open_transactions"])
+        statements = "; ".join(
+            " ".join(t["last_statement"].split())[:60] for t in f["open_transactions"]
+        )
+        print(
+            f"  freeze {f['number']} ({f['phase']}, {f['held_seconds']} s): its open "
+            f"transaction held up {waiting} other session(s); last statement: {statements}"
+        )
     traced = [f for f in freezes if f["duplicated_from_its_batches"]]
     for f in traced:
         print(
