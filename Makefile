@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Each recipe line that talks to the services first loads where they are.
 WITH_SERVICES := . ./.services.env &&
 
-.PHONY: help venv services services-down lint typecheck unit test demo bench clean
+.PHONY: help venv services services-down lint typecheck unit test demo bench soak-freeze clean
 
 help:
 	@echo "make venv           create .venv with the project and its dev tools"
@@ -16,6 +16,7 @@ help:
 	@echo "make unit           only the tests that need no services"
 	@echo "make demo           an example service writes orders; a publisher delivers them"
 	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers, sinks"
+	@echo "make soak-freeze    publishers frozen and woken at random points: nothing lost or doubled, keys in order (SOAK_ARGS=...)"
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +59,11 @@ bench: venv services
 	$(WITH_SERVICES) $(BIN)/python benchmarks/growth.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/publishers.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/sinks.py --record
+
+# Not a test: five to ten minutes per delivery mode. It imports test helpers
+# (tests/support.py), and its publishers must run this checkout's code, hence PYTHONPATH.
+soak-freeze: venv services
+	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/freeze_soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

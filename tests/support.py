@@ -676,3 +676,64 @@ def fetch_rows(database_url: str, sql: str, *params: object) -> list[tuple[Any, 
     """Run one query on its own connection and return every row."""
     with psycopg.connect(database_url) as conn:
         return conn.execute(sql, params).fetchall()
+
+
+# --- long runs: publishers whose output goes to a file, frozen and woken ---
+
+
+def start_logged_publisher(
+    database_url: str,
+    kafka_bootstrap: str,
+    *flags: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``outbox-publisher`` as ``start_publisher`` does, its output going to ``log``.
+
+    A run of minutes fills a pipe nobody reads, and a publisher blocked on
+    writing its log looks frozen: a file never blocks it.
+    """
+    script = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
+    assert script is not None, "outbox-publisher is not installed next to this Python"
+    with log.open("ab") as output:
+        return subprocess.Popen(
+            [script, *flags],
+            env={
+                **os.environ,
+                "OUTBOX_DATABASE_URL": database_url,
+                "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
+                "OUTBOX_HTTP_PORT": "0",
+                **(env or {}),
+            },
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def is_frozen(pid: int) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP: state T in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def stop_and_wait(
+    process: subprocess.Popen[bytes], sig: signal.Signals, *, timeout: float
+) -> int | None:
+    """Wake the process if frozen, send ``sig`` and wait for its exit; kill it if it hangs.
+
+    Returns its exit code, or ``None`` when it had to be killed.
+    """
+    if process.poll() is not None:
+        return process.returncode
+    process.send_signal(signal.SIGCONT)
+    process.send_signal(sig)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
