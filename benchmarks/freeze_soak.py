@@ -377,12 +377,11 @@ def phase_of(url: str, pid: int) -> tuple[str | None, str, list[dict[str, Any]]]
                 return None, "not registered", []
             batches = conn.execute(
                 """
-                SELECT m.batch_id, b.send_began_at IS NOT NULL, count(*)
-                FROM outbox.messages AS m
-                JOIN outbox.batches AS b ON b.id = m.batch_id
-                WHERE m.state = 'in_flight' AND m.lease_owner = %s
-                GROUP BY m.batch_id, b.send_began_at
-                ORDER BY m.batch_id
+                SELECT f.batch_id, f.send_began_at IS NOT NULL, count(*)
+                FROM outbox.in_flight AS f
+                WHERE f.lease_owner = %s
+                GROUP BY f.batch_id, f.send_began_at
+                ORDER BY f.batch_id
                 """,
                 (publisher_id,),
             ).fetchall()
@@ -425,8 +424,8 @@ def wait_for_claim(url: str, pid: int, timeout: float) -> bool:
             publisher_id = publisher_id_of(conn, pid)
             while publisher_id is not None and time.monotonic() < deadline:
                 row = conn.execute(
-                    "SELECT EXISTS (SELECT 1 FROM outbox.messages "
-                    "WHERE state = 'in_flight' AND lease_owner = %s)",
+                    "SELECT EXISTS (SELECT 1 FROM outbox.batches "
+                    "WHERE settled_at IS NULL AND publisher_id = %s)",
                     (publisher_id,),
                 ).fetchone()
                 if row and row[0]:
@@ -756,7 +755,7 @@ class Run:
                 rows = conn.execute(
                     """
                     SELECT p.pid, m.state, left(m.last_error, 200), count(*), max(m.attempts)
-                    FROM outbox.messages AS m
+                    FROM outbox.message_status AS m
                     LEFT JOIN outbox.lanes AS l ON l.lane = m.lane
                     LEFT JOIN outbox.publishers AS p ON p.id = l.owner
                     WHERE m.state <> 'delivered'
@@ -806,7 +805,7 @@ class Run:
                 "SELECT id, key, seq, kafka_partition, kafka_offset FROM outbox.messages"
             ).fetchall()
             states: dict[str, int] = dict(
-                conn.execute("SELECT state, count(*) FROM outbox.messages GROUP BY state")
+                conn.execute("SELECT state, count(*) FROM outbox.message_status GROUP BY state")
             )
             decided = conn.execute(
                 "SELECT to_state, count(*) FROM outbox.decisions "
@@ -840,9 +839,10 @@ class Run:
 
         def attempts() -> list[tuple[Any, ...]]:
             with psycopg.connect(self.url) as conn:
+                # Every batch that named a message was one of its attempts.
                 return conn.execute(
-                    "SELECT message_id, publisher_id::text, batch_id FROM outbox.attempts "
-                    "WHERE message_id = ANY(%s::uuid[])",
+                    "SELECT u.id, b.publisher_id::text, b.id FROM outbox.batches AS b, "
+                    "unnest(b.message_ids) AS u(id) WHERE u.id = ANY(%s::uuid[])",
                     (duplicated,),
                 ).fetchall()
 

@@ -896,3 +896,22 @@ def test_an_idempotent_publisher_settles_each_batch_on_its_own() -> None:
         assert len(store.settled) == 1
     finally:
         publisher._release_claimed_ahead()
+
+
+def test_a_transaction_whose_batch_was_recovered_before_sending_is_ended_empty() -> None:
+    """Frozen between its claim and its mark, past its lease: the batch is gone, nothing is
+    sent, and the transaction begun for it is aborted, so the next batch can begin one."""
+    lost, later = _message(key=b"a"), _message(key=b"b")
+    events: list[str] = []
+    store = FakeStore(events, [_numbered(1, lost), _numbered(2, later)])
+    store.lost_before_sending = {lost.id}
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, TRANSACTIONAL)
+
+    publisher.run_once()
+    publisher.run_once()
+
+    ends = [e for e in events if e in ("begin", "send", "commit", "abort")]
+    assert ends == ["begin", "abort", "begin", "send", "commit"]
+    assert publisher.totals.stale == 1
+    assert [[s.state for s in settled] for settled in store.settled] == [[State.DELIVERED]]
