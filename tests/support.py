@@ -304,21 +304,26 @@ def start_publisher(
     ``env`` says otherwise: publishers of concurrent tests would all want the
     default port.
     """
+    command, environment = _publisher_command(database_url, kafka_bootstrap, flags, env)
+    return subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _publisher_command(
+    database_url: str, kafka_bootstrap: str, flags: Sequence[str], env: dict[str, str] | None
+) -> tuple[list[str], dict[str, str]]:
+    """The installed ``outbox-publisher`` script with ``flags``, and its environment."""
     script = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
     assert script is not None, "outbox-publisher is not installed next to this Python"
-    return subprocess.Popen(
-        [script, *flags],
-        env={
-            **os.environ,
-            "OUTBOX_DATABASE_URL": database_url,
-            "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
-            "OUTBOX_HTTP_PORT": "0",
-            **(env or {}),
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    environment = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "OUTBOX_HTTP_PORT": "0",
+        **(env or {}),
+    }
+    return [script, *flags], environment
 
 
 def stop_process(process: subprocess.Popen[str], sig: signal.Signals, *, timeout: float) -> str:
@@ -693,18 +698,11 @@ def start_logged_publisher(
     A run of minutes fills a pipe nobody reads, and a publisher blocked on
     writing its log looks frozen: a file never blocks it.
     """
-    script = shutil.which("outbox-publisher", path=str(Path(sys.executable).parent))
-    assert script is not None, "outbox-publisher is not installed next to this Python"
+    command, environment = _publisher_command(database_url, kafka_bootstrap, flags, env)
     with log.open("ab") as output:
         return subprocess.Popen(
-            [script, *flags],
-            env={
-                **os.environ,
-                "OUTBOX_DATABASE_URL": database_url,
-                "OUTBOX_KAFKA_BOOTSTRAP": kafka_bootstrap,
-                "OUTBOX_HTTP_PORT": "0",
-                **(env or {}),
-            },
+            command,
+            env=environment,
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=subprocess.STDOUT,
