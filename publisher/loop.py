@@ -886,17 +886,17 @@ class Publisher:
 
 
 def _shared_refusals(sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]) -> set[uuid.UUID]:
-    """Messages refused with a content error shared by several records of one partition.
+    """Messages refused with a content error that more than one record of the send got.
 
     When the broker refuses one record (too large, say), kafka-python's
     idempotent producer fails every record it still has in flight for that
-    partition with the same error, so the error names no one record.
+    partition with the same error, and, taking the refusal for a fatal error,
+    may abort every batch it holds, of any topic and partition, with it
+    (librdkafka fails the whole message set the broker refused). So an error
+    that several records got names no one record.
     """
-    refused: dict[tuple[str, int], list[uuid.UUID]] = {}
-    for message_id, (record, report) in sent.items():
-        if _refused_by_broker(report):
-            refused.setdefault((record.topic, record.partition), []).append(message_id)
-    return {i for ids in refused.values() if len(ids) > 1 for i in ids}
+    refused = [message_id for message_id, (_, report) in sent.items() if _refused_by_broker(report)]
+    return set(refused) if len(refused) > 1 else set()
 
 
 def _refused_by_broker(report: SendReport) -> bool:

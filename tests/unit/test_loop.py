@@ -915,3 +915,20 @@ def test_a_transaction_whose_batch_was_recovered_before_sending_is_ended_empty()
     assert ends == ["begin", "abort", "begin", "send", "commit"]
     assert publisher.totals.stale == 1
     assert [[s.state for s in settled] for settled in store.settled] == [[State.DELIVERED]]
+
+
+def test_a_content_refusal_several_records_got_pins_it_on_none_of_them() -> None:
+    """kafka-python may abort every batch it holds, of any topic, with the error of one
+    refused record: records of two topics refused alike are uncertain, sent alone next."""
+    big, bystander = _message("orders", key=b"a"), _message("payments", key=b"b")
+    _, store, sink, publisher = _setup(big, bystander, partitions={"orders": 3, "payments": 3})
+    refusal = SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True)
+    sink.reports = {big.id: refusal, bystander.id: refusal}
+
+    publisher.run_once()
+
+    [settled] = store.settled
+    assert [(s.state, s.send_alone, s.counts_as_failure) for s in settled] == [
+        (State.UNCERTAIN, True, True)
+    ] * 2
+    assert all("not attributable" in (s.error or "") for s in settled)
