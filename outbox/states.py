@@ -10,7 +10,8 @@ class State(StrEnum):
 
     #: Committed intent, not owned by any publisher; claimable from ``available_at``.
     PENDING = "pending"
-    #: Owned by one publisher under a lease (``lease_owner``, ``lease_expires_at``, ``fence``).
+    #: Named by an open batch, owned by its publisher under the batch's lease
+    #: (derived: the message row says ``pending``; see ``outbox.message_status``).
     IN_FLIGHT = "in_flight"
     #: The broker acknowledged it; ``kafka_partition`` and ``kafka_offset`` say where it is.
     DELIVERED = "delivered"

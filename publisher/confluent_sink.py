@@ -34,6 +34,7 @@ from publisher.sink import (
     InFlight,
     KafkaSinkConfig,
     OutgoingRecord,
+    ProducerSessions,
     SendReport,
     SendWindow,
     hand_over_closed,
@@ -167,8 +168,7 @@ class ConfluentSink:
         self._counts: dict[str, tuple[int, float]] = {}
         #: A fatal error of the current producer (idempotence broken): replace it.
         self._fatal: KafkaError | None = None
-        #: Producer sessions opened so far (numbers the transactional.ids).
-        self._sessions = 0
+        self._sessions = ProducerSessions(config.transactional_id_prefix)
         self._transactional_id: str | None = None
 
     def _get_producer(self) -> Producer:
@@ -201,10 +201,8 @@ class ConfluentSink:
             }
             for alias in _TIMEOUT_PROPERTIES[1:]:
                 settings.pop(alias, None)
-            transactional_id = None
-            if c.transactional_id_prefix is not None:
-                self._sessions += 1
-                transactional_id = f"{c.transactional_id_prefix}-{self._sessions}"
+            transactional_id = self._sessions.next_id()
+            if transactional_id is not None:
                 settings["transactional.id"] = transactional_id
             producer = Producer(settings)
             if transactional_id is not None:

@@ -2,15 +2,17 @@
 
 One iteration (``run_once``) is the whole state machine of a batch:
 
-1. claim: pending -> in_flight under a lease, fence + 1, recorded as a batch
-   (one statement);
+1. claim: one statement writes a batch row naming the next claimable
+   messages, under a lease; while it is open they are in flight;
 2. choose each record's partition and record, before anything is sent, that
-   the batch begins sending (``mark_sending``); only messages still held are
-   sent;
-3. send the batch and flush once;
-4. classify each record's outcome and settle the batch in one statement:
-   delivered, pending again (not written, with backoff), uncertain, or
-   quarantined. Only rows still carrying this claim's fence change.
+   the batch begins sending (``mark_sending``); only a batch still held is
+   sent (in transactional delivery, inside a Kafka transaction, which full
+   batches claimed next may join under backlog);
+3. send the batch and flush once (and commit, or abort, the transaction);
+4. classify each record's outcome and settle the batch in one statement that
+   closes it and writes each message row once: delivered, pending again (not
+   written, with backoff), uncertain, or quarantined. Nothing changes if
+   recovery closed the batch first.
 
 ``run`` repeats it; between batches it recovers expired leases and
 reconciles uncertain messages at their intervals, and sleeps on NOTIFY or
@@ -180,7 +182,7 @@ class Publisher:
 
     @property
     def publisher_id(self) -> uuid.UUID:
-        """This process's id in ``outbox.publishers`` and ``lease_owner``."""
+        """This process's id in ``outbox.publishers``, and the owner of its batches and lanes."""
         return self.store.publisher_id
 
     def request_stop(self) -> None:

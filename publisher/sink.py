@@ -218,6 +218,27 @@ class _KafkaInFlight:
 _TRANSACTIONAL_SETTINGS: dict[str, Any] = {"retry_backoff_ms": 20}
 
 
+class ProducerSessions:
+    """The transactional.ids of a sink's producer sessions, ``<prefix>-<n>``.
+
+    Every producer a sink opens is a new session with a new id, so a fence
+    the reconciler takes on an old session's id never hits a session still in
+    use. Without a prefix (idempotent delivery) there is no id.
+    """
+
+    def __init__(self, prefix: str | None) -> None:
+        self._prefix = prefix
+        #: Sessions opened so far.
+        self._opened = 0
+
+    def next_id(self) -> str | None:
+        """The id of the next session, or ``None`` in idempotent delivery."""
+        if self._prefix is None:
+            return None
+        self._opened += 1
+        return f"{self._prefix}-{self._opened}"
+
+
 @dataclass
 class KafkaSinkConfig:
     """Producer settings the publisher exposes; the rest are fixed on purpose."""
@@ -255,8 +276,7 @@ class KafkaSink:
         self._producer: Any = None
         #: Keeps the current producer from writing past its batch's write deadline.
         self._guard: SocketGuard | None = None
-        #: Producer sessions opened so far (numbers the transactional.ids).
-        self._sessions = 0
+        self._sessions = ProducerSessions(config.transactional_id_prefix)
         self._transactional_id: str | None = None
 
     def _get_producer(self) -> Any:
@@ -266,10 +286,7 @@ class KafkaSink:
             self.discard_producer()
         if self._producer is None:
             c = self._config
-            transactional_id = None
-            if c.transactional_id_prefix is not None:
-                self._sessions += 1
-                transactional_id = f"{c.transactional_id_prefix}-{self._sessions}"
+            transactional_id = self._sessions.next_id()
             self._producer = KafkaProducer(
                 bootstrap_servers=c.bootstrap_servers,
                 client_id=c.client_id,
