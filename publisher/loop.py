@@ -141,6 +141,8 @@ class Publisher:
         self._progress_at = clock()
         self._next_recovery = 0.0
         self._next_reconcile = 0.0
+        #: A Kafka transaction was begun and not ended yet.
+        self._transaction_open = False
         #: Failure class of each message of the batch in hand that was not delivered.
         self._failure_class: dict[uuid.UUID, str] = {}
         #: What ``/healthz`` and ``/readyz`` answer from.
@@ -331,10 +333,14 @@ class Publisher:
         once, if every record of every batch was confirmed. A fenced
         transaction settles nothing.
         """
-        parts = [self._hand_over(batch, begin=self._transactional)]
-        while (joining := self._joining(parts)) is not None:
-            in_hand.append(joining)
-            parts.append(self._hand_over(joining, begin=False))
+        try:
+            parts = [self._hand_over(batch, begin=self._transactional)]
+            while (joining := self._joining(parts)) is not None:
+                in_hand.append(joining)
+                parts.append(self._hand_over(joining, begin=False))
+        except Exception:
+            self._abandon_transaction(in_hand)
+            raise
         # The broker answered every record; nothing is recorded (or, in a
         # transaction, committed) yet.
         self.faults.reached("after_ack")
@@ -378,7 +384,7 @@ class Publisher:
                     began=False,
                     settled=[self._settlement(m, report, None) for m in batch.messages],
                 )
-            began = True
+            began = self._transaction_open = True
         if sendable:
             held = self.store.mark_sending(
                 batch, counts, self.config.write_deadline_seconds, self.sink.transactional_id
@@ -468,6 +474,7 @@ class Publisher:
         starved) is a zombie: nothing of its batches is recorded, and the
         next batch starts a new session.
         """
+        self._transaction_open = False
         reports = [report for p in parts for _, report in p.sent.values()]
         fenced = any(isinstance(r.error, FENCING_ERRORS) for r in reports)
         if fenced:
@@ -493,6 +500,26 @@ class Publisher:
                 "batch %s: transaction %s", ids, end.value, extra={"batch_id": batches[0].id}
             )
         return end
+
+    def _abandon_transaction(self, batches: list[Batch]) -> None:
+        """Abort the transaction an error left open (the database went away between its
+        begin and its end): else the session refuses every later begin. What it
+        carried is never committed; its batches stay open, for recovery to decide
+        once their leases expire. A session that cannot abort is discarded.
+        """
+        if not self._transaction_open:
+            return
+        self._transaction_open = False
+        ids = ", ".join(str(b.id) for b in batches)
+        try:
+            end = self.sink.end_transaction(commit=False)
+        except Exception as exc:  # noqa: BLE001 - the error that got here is re-raised
+            log.warning(
+                "batch %s: aborting the transaction failed (%s); session discarded", ids, exc
+            )
+            self.sink.discard_producer()
+            return
+        log.warning("batch %s: transaction %s on an error", ids, end.value)
 
     # --- claiming ahead ----------------------------------------------------------
 

@@ -375,6 +375,10 @@ class DrainedPublisher:
         """The exit code, once the process has exited."""
         return self.process.returncode
 
+    def stderr_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines the process wrote to stderr so far (for a failure's message)."""
+        return "".join(self._stderr[-lines:])
+
     def stop(self, sig: signal.Signals, *, timeout: float) -> str:
         """Send ``sig``, wait for the exit and return stderr; kill the process if it hangs."""
         try:

@@ -68,13 +68,25 @@ def _failed_attempts(database_url: str) -> int:
     return row[0] if row else 0
 
 
-def _wait_all_delivered(database_url: str) -> None:
-    wait_until(
-        lambda: count_by_state(database_url) == {"delivered": TOTAL},
-        timeout=240,
-        interval=0.5,
-        what="every message to be delivered after the restart",
-    )
+def _wait_all_delivered(database_url: str, publisher: DrainedPublisher) -> None:
+    try:
+        wait_until(
+            lambda: count_by_state(database_url) == {"delivered": TOTAL},
+            timeout=240,
+            interval=0.5,
+            what="every message to be delivered after the restart",
+        )
+    except AssertionError as timed_out:
+        with psycopg.connect(database_url) as conn:
+            batches = conn.execute(
+                "SELECT id, publisher_id, send_began_at, lease_expires_at, transactional_id,"
+                " cardinality(message_ids) FROM outbox.batches"
+                " WHERE settled_at IS NULL ORDER BY id"
+            ).fetchall()
+        raise AssertionError(
+            f"{timed_out}: states {count_by_state(database_url)}, open batches {batches};"
+            f" the publisher's last lines:\n{publisher.stderr_tail()}"
+        ) from None
 
 
 def _assert_exactly_once(
@@ -119,7 +131,7 @@ def test_broker_restart_mid_run_ends_with_each_message_delivered_once(
             )
         finally:
             start_broker_again(kafka_bootstrap)
-        _wait_all_delivered(database_url)
+        _wait_all_delivered(database_url, publisher)
     finally:
         stderr = publisher.stop(signal.SIGTERM, timeout=60)
     assert publisher.returncode == 0, stderr
@@ -151,7 +163,7 @@ def test_database_restart_mid_run_reconnects_without_breaking_a_fence(
         )
         local_service("down", "postgres")
         local_service("up", "postgres")
-        _wait_all_delivered(database_url)
+        _wait_all_delivered(database_url, publisher)
     finally:
         stderr = publisher.stop(signal.SIGTERM, timeout=60)
     assert publisher.returncode == 0, stderr

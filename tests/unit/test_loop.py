@@ -15,6 +15,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import pytest
 from kafka import errors as kafka_errors
 
@@ -61,6 +62,8 @@ class FakeStore(PublisherStore):
         self.transactional_ids: list[str | None] = []
         #: The write deadline (seconds after the mark) each mark_sending was given.
         self.write_deadlines: list[float] = []
+        #: What the next marks raise, in turn (None: that mark succeeds).
+        self.mark_errors: list[Exception | None] = []
 
     @property
     def conn(self) -> Any:
@@ -107,8 +110,12 @@ class FakeStore(PublisherStore):
         longest_send_seconds: float,
         transactional_id: str | None = None,
     ) -> set[uuid.UUID]:
-        """Record the mark; every message is still held except those declared lost."""
+        """Record the mark; every message is still held except those declared lost.
+        The first of ``mark_errors`` left, if any, says whether it raises instead."""
         self.events.append("mark_sending")
+        error = self.mark_errors.pop(0) if self.mark_errors else None
+        if error is not None:
+            raise error
         self.transactional_ids.append(transactional_id)
         self.write_deadlines.append(longest_send_seconds)
         return {m.id for m in batch.messages} - self.lost_before_sending
@@ -194,6 +201,7 @@ class FakeSink:
     def discard_producer(self) -> None:
         """Record the discard."""
         self.events.append("discard_producer")
+        self.in_transaction = False
 
     #: How the next transaction ends when committed (transactional tests set it).
     commit_ends = TransactionEnd.COMMITTED
@@ -203,13 +211,22 @@ class FakeSink:
         """A session id once a transaction was begun."""
         return "outbox-test-1" if "begin" in self.events else None
 
+    #: A transaction was begun and not ended (nor its session discarded).
+    in_transaction = False
+
     def begin_transaction(self) -> None:
-        """Record the begin."""
+        """Record the begin; refuse it, as a producer does, while a transaction is open."""
         self.events.append("begin")
+        if self.in_transaction:
+            raise kafka_errors.KafkaError(
+                "Invalid transition from IN_TRANSACTION to IN_TRANSACTION"
+            )
+        self.in_transaction = True
 
     def end_transaction(self, *, commit: bool) -> TransactionEnd:
         """Record the commit or abort; a commit ends as ``commit_ends`` says."""
         self.events.append("commit" if commit else "abort")
+        self.in_transaction = False
         return self.commit_ends if commit else TransactionEnd.ABORTED
 
     def close(self) -> None:
@@ -915,6 +932,73 @@ def test_a_transaction_whose_batch_was_recovered_before_sending_is_ended_empty()
     assert ends == ["begin", "abort", "begin", "send", "commit"]
     assert publisher.totals.stale == 1
     assert [[s.state for s in settled] for settled in store.settled] == [[State.DELIVERED]]
+
+
+def test_a_transaction_whose_mark_failed_is_aborted_so_the_next_batch_can_begin_one() -> None:
+    """The database went away between the begin and the mark: the error reaches the run
+    loop, and the transaction is aborted on the way, so the next batch begins its own."""
+    first, later = _message(key=b"a"), _message(key=b"b")
+    events: list[str] = []
+    store = FakeStore(events, [_numbered(1, first), _numbered(2, later)])
+    store.mark_errors = [psycopg.OperationalError("server closed the connection unexpectedly")]
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, TRANSACTIONAL)
+
+    with pytest.raises(psycopg.OperationalError):
+        publisher.run_once()
+    assert publisher.held_batches() == []  # batch 1 is left to recovery
+    publisher.run_once()
+
+    ends = [e for e in events if e in ("begin", "mark_sending", "send", "commit", "abort")]
+    assert ends == ["begin", "mark_sending", "abort", "begin", "mark_sending", "send", "commit"]
+    assert [[s.message_id for s in settled] for settled in store.settled] == [[later.id]]
+
+
+def test_a_joining_batch_whose_mark_failed_aborts_what_the_transaction_carried() -> None:
+    """Batch 1 was sent in the transaction when batch 2's mark failed: the transaction is
+    aborted (batch 1's records are never committed) and neither batch is settled: both
+    stay open for recovery, which finds batch 1's records absent."""
+    events, store, sink, publisher = _backlog(
+        [_numbered(2, _message(key=b"c"), _message(key=b"d")), None]
+    )
+    store.mark_errors = [None, psycopg.OperationalError("terminating connection")]
+    try:
+        with pytest.raises(psycopg.OperationalError):
+            publisher.run_once()
+    finally:
+        publisher._release_claimed_ahead()
+
+    assert [e for e in events if e in ("begin", "send", "commit", "abort")] == [
+        "begin",
+        "send",
+        "abort",
+    ]
+    assert not sink.in_transaction
+    assert store.settled == []
+    assert publisher.held_batches() == []
+
+
+def test_a_transaction_that_cannot_be_aborted_after_an_error_loses_its_session() -> None:
+    """The abort itself fails (the broker went too): the session is discarded, so the next
+    batch begins in a fresh one."""
+    first, later = _message(key=b"a"), _message(key=b"b")
+    events: list[str] = []
+    store = FakeStore(events, [_numbered(1, first), _numbered(2, later)])
+    store.mark_errors = [psycopg.OperationalError("server closed the connection unexpectedly")]
+    sink = FakeSink(events)
+
+    def abort_fails(*, commit: bool) -> TransactionEnd:
+        events.append("abort")
+        raise kafka_errors.KafkaConnectionError("no broker")
+
+    sink.end_transaction = abort_fails  # type: ignore[method-assign]
+    publisher = _publisher(store, sink, TRANSACTIONAL)
+
+    with pytest.raises(psycopg.OperationalError):
+        publisher.run_once()
+
+    assert events[-2:] == ["abort", "discard_producer"]
+    assert not sink.in_transaction
 
 
 def test_a_content_refusal_several_records_got_pins_it_on_none_of_them() -> None:
