@@ -324,12 +324,12 @@ def run_idle(url: str, topic: str, args: argparse.Namespace) -> list[float]:
 
 def measure(base_url: str, bootstrap: str, args: argparse.Namespace, delivery: str) -> bool:
     """One mode's steady load and idle wake-ups; record and print them; whether targets held."""
-    print(f"-- {delivery} delivery")
+    print(f"-- {delivery} delivery, {args.sink} sink")
     with temporary_database(base_url, "outbox_bench_latency") as (_, url):
         topic = new_topic(bootstrap)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(ORDERS_TABLE)
-        publisher = start_publisher(url, bootstrap, "--delivery", delivery)
+        publisher = start_publisher(url, bootstrap, "--delivery", delivery, "--sink", args.sink)
         try:
             wait_for_publishers(url, 1)
             load = run_load(url, topic, args, publisher.pid)
@@ -347,10 +347,13 @@ def measure(base_url: str, bootstrap: str, args: argparse.Namespace, delivery: s
     target_p99 = TARGET_P99_MS[delivery]
     met = p50 <= TARGET_P50_MS and p99 <= target_p99 and idle_max <= TARGET_IDLE_MS
     record_results(
-        # The default mode keeps the key it always had.
-        "latency" if delivery == "idempotent" else f"latency_{delivery}",
+        # The default mode and sink keep the key they always had.
+        "latency"
+        + ("" if delivery == "idempotent" else f"_{delivery}")
+        + ("" if args.sink == "kafka-python" else f"_{args.sink}"),
         {
             "delivery": delivery,
+            "sink": args.sink,
             "offered_msgs_per_s": args.rate,
             "writers": args.writers,
             "measured_seconds": args.seconds,
@@ -384,6 +387,12 @@ def main() -> None:
         choices=["idempotent", "transactional", "both"],
         default="both",
         help="the publisher's delivery mode(s), one after the other",
+    )
+    parser.add_argument(
+        "--sink",
+        choices=["kafka-python", "confluent"],
+        default="kafka-python",
+        help="the publisher's producer (confluent needs the confluent extra)",
     )
     args = parser.parse_args()
     base_url, bootstrap = environment()
