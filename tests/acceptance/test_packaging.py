@@ -34,7 +34,7 @@ def test_wheel_ships_migrations_queries_and_both_console_scripts(tmp_path: Path)
         check=True,
         timeout=300,
     )
-    [wheel] = tmp_path.glob("outbox-*.whl")
+    [wheel] = tmp_path.glob("pg_kafka_outbox-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         entry_points = next(
