@@ -777,3 +777,16 @@ WHERE b.claimed_at < now() - %(age)s::interval
   AND b.settled_at IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
                   WHERE m.batch_id = b.id AND m.state = 'uncertain')
+
+-- name: last_seq
+-- outbox.testing: where a recorder starts (the highest seq written so far).
+SELECT coalesce(max(seq), 0) FROM outbox.messages
+
+-- name: enqueued_since
+-- outbox.testing: the intents written after a recorder started, as the
+-- reading connection sees them (its own transaction's, and committed ones),
+-- in the order they were written.
+SELECT id, topic, key, value, header_names, header_values, idempotency_key
+FROM outbox.messages
+WHERE seq > %(after)s
+ORDER BY seq

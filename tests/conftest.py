@@ -29,6 +29,10 @@ from tests.support import create_topic
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The helpers the library offers a service's tests (the fixture
+#: ``outbox_recorder``), used here as a service uses them.
+pytest_plugins = ["outbox.testing"]
+
 
 @dataclass(frozen=True)
 class Services:
@@ -138,6 +142,12 @@ def database_url(services: Services, template_database: str) -> Iterator[str]:
         admin.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
+
+
+@pytest.fixture
+def outbox_database_url(database_url: str) -> str:
+    """The database ``outbox.testing``'s fixture reads: the test's own."""
+    return database_url
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,13 +25,13 @@ from kafka.errors import KafkaError
 from psycopg.rows import dict_row
 
 from outbox.states import State
-from publisher.app import build_publisher
 from publisher.config import DELIVERY_MODES as _DELIVERY_MODES
 from publisher.config import PublisherConfig
-from publisher.loop import Totals
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
 from publisher.store import PublisherStore, Settlement
+from publisher.testing import config_for_tests
+from publisher.testing import publish_until_idle as publish_until_idle  # noqa: PLC0414 - re-exported
 
 T = TypeVar("T")
 
@@ -259,21 +259,8 @@ def assert_each_read_once(
 
 
 def publisher_config(database_url: str, kafka_bootstrap: str, **overrides: Any) -> PublisherConfig:
-    """A publisher config for tests: small polls, exits when idle."""
-    base = PublisherConfig(
-        database_url=database_url,
-        kafka_bootstrap=kafka_bootstrap,
-        exit_when_idle=True,
-        poll_interval=0.2,
-        # One local broker: nothing is ever written above its high watermark.
-        absence_grace=0.0,
-    )
-    return replace(base, **overrides)
-
-
-def publish_until_idle(database_url: str, kafka_bootstrap: str, **overrides: Any) -> Totals:
-    """Run a real publisher in this process until nothing is pending."""
-    return build_publisher(publisher_config(database_url, kafka_bootstrap, **overrides)).run()
+    """A publisher config for tests: small polls, exits when idle, no absence grace."""
+    return config_for_tests(database_url, kafka_bootstrap, **overrides)
 
 
 def count_by_state(database_url: str) -> dict[str, int]:
