@@ -29,6 +29,7 @@ from outbox.errors import OutboxError
 from outbox.operator import operator_name
 from outbox.states import State
 from outbox.status import read_status
+from publisher.connector import connect
 from publisher.fencing import KafkaFencer
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
@@ -100,7 +101,7 @@ def _reconcile(database_url: str, kafka_bootstrap: str, absence_grace: float) ->
             )
             if report.decided < reconciler.limit:
                 break
-        with psycopg.connect(database_url) as conn:
+        with connect(database_url) as conn:
             left = next(
                 line.messages
                 for line in read_status(conn)
