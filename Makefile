@@ -6,13 +6,14 @@ BIN := $(VENV)/bin
 # Each recipe line that talks to the services first loads where they are.
 WITH_SERVICES := . ./.services.env &&
 
-.PHONY: help venv services services-down lint typecheck unit test demo bench soak-freeze clean
+.PHONY: help venv services services-down lint typecheck imports unit test demo bench soak-freeze clean
 
 help:
 	@echo "make venv           create .venv with the project and its dev tools"
 	@echo "make services       start (or reuse) local PostgreSQL and Kafka; writes .services.env"
 	@echo "make services-down  stop them"
-	@echo "make test           ruff, mypy and every test against the real services"
+	@echo "make test           ruff, mypy, the import contracts and every test against the real services"
+	@echo "make imports        the import contracts (import-linter; see [tool.importlinter] in pyproject.toml)"
 	@echo "make unit           only the tests that need no services"
 	@echo "make demo           an example service writes orders; a publisher delivers them"
 	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers, sinks"
@@ -39,10 +40,15 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# The architecture rules: the library stands alone, nothing imports a command,
+# classification and partitioning do no I/O.
+imports: venv
+	$(BIN)/lint-imports
+
 unit: venv
 	$(BIN)/pytest tests/unit
 
-test: lint typecheck services
+test: lint typecheck imports services
 	$(WITH_SERVICES) $(BIN)/pytest
 
 demo: venv services
@@ -66,4 +72,4 @@ soak-freeze: venv services
 	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/freeze_soak.py $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

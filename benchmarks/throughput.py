@@ -210,7 +210,7 @@ def main() -> None:
 
     sinks = ["kafka-python"]
     if importlib.util.find_spec("confluent_kafka") is not None:
-        sinks.append("confluent")  # the optional faster sink (outbox[confluent])
+        sinks.append("confluent")  # the optional faster sink (pg-kafka-outbox[confluent])
     bare_rates: list[float] = []
     e2e_rates: dict[str, list[float]] = {sink: [] for sink in sinks}
     cycle_rates: list[float] = []

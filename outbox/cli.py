@@ -1,9 +1,13 @@
 """The ``outbox`` command: operator tools for the outbox tables.
 
 Exit codes: 0 when the command succeeded and, for ``status``, when nothing
-needs an operator; 1 when ``status`` finds messages that need action or
-``reconcile`` leaves messages uncertain; 2 when the command could not run
-(bad usage, a refused decision, an unreachable or unmigrated database).
+needs an operator; 1 when ``status`` or ``inspect`` finds messages that need
+action; 2 when the command could not run (bad usage, a refused decision, an
+unreachable or unmigrated database).
+
+Every command here needs only PostgreSQL, so it runs wherever the library is
+installed. Reconciling reads Kafka: that is ``outbox-publisher reconcile``,
+installed with the ``publisher`` extra; ``outbox reconcile`` only says so.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import psycopg.errors
-from kafka.errors import KafkaError
 
 from outbox import render
 from outbox.errors import OutboxError
@@ -26,7 +29,6 @@ from outbox.migrations import current_version, migrate
 from outbox.operator import (
     Resolution,
     discard,
-    operator_name,
     resolve,
     retry,
     retry_quarantined,
@@ -39,6 +41,12 @@ EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
 EXIT_ERROR = 2
 
+
+#: What ``outbox reconcile`` prints: the command moved to the publisher's side.
+RECONCILE_MOVED = (
+    "outbox: reconcile reads Kafka, so it is a publisher command: run `outbox-publisher "
+    "reconcile` (installed with pip install 'pg-kafka-outbox[publisher]')"
+)
 
 _JSON_HELP = "print JSON instead of a table (the format is stable; see docs/operations.md)"
 
@@ -63,9 +71,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect and maintain the transactional outbox in PostgreSQL.",
         epilog="Start with `outbox status`: it names what needs you and the next safe action. "
         "Then `outbox list --state STATE` and `outbox inspect ID`. Exit codes: 0 done and "
-        "nothing needs you; 1 something needs an operator (status, inspect, reconcile); 2 the "
+        "nothing needs you; 1 something needs an operator (status, inspect); 2 the "
         "command could not run (the reason is on stderr). `outbox COMMAND --help` for each "
-        "command; the runbook is docs/operations.md.",
+        "command; the runbook is docs/operations.md. Reconciling with Kafka is "
+        "`outbox-publisher reconcile` (the publisher extra).",
     )
     parser.add_argument(
         "--database-url",
@@ -157,27 +166,13 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="count what would be deleted, delete nothing"
     )
     purge_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
-    reconcile = commands.add_parser(
+    # Kept as a name so that whoever types it (the status view's next action
+    # says it) learns where it went; main() lets it through with its old flags.
+    commands.add_parser(
         "reconcile",
-        help="recover expired leases and decide uncertain messages from Kafka; "
-        "exits 1 if some stay uncertain",
-        description="Move in-flight messages whose lease expired (by their evidence), then look "
-        "for every uncertain message whose producer can no longer write in its Kafka partition: "
-        "found -> delivered, proven absent -> pending, evidence gone -> escalated to you. "
-        "Publishers do this on their own at an interval; this runs one pass now.",
-    )
-    reconcile.add_argument(
-        "--kafka-bootstrap",
-        default=os.environ.get("OUTBOX_KAFKA_BOOTSTRAP"),
-        help="Kafka bootstrap servers, host:port[,...] (default: $OUTBOX_KAFKA_BOOTSTRAP)",
-    )
-    reconcile.add_argument(
-        "--absence-grace",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="seconds after a write deadline before a record's absence from Kafka is proof; "
-        "at least the brokers' replica.lag.time.max.ms (default: 30)",
+        help="moved: `outbox-publisher reconcile` (pip install 'pg-kafka-outbox[publisher]')",
+        description=RECONCILE_MOVED,
+        add_help=False,
     )
     resolve_cmd = commands.add_parser(
         "resolve",
@@ -286,58 +281,6 @@ def _purge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _reconcile(args: argparse.Namespace) -> int:
-    if not args.kafka_bootstrap:
-        raise OutboxError("no Kafka: pass --kafka-bootstrap or set OUTBOX_KAFKA_BOOTSTRAP")
-    # The reconciler reads Kafka, which is the publisher's side of the package.
-    from publisher.fencing import KafkaFencer  # noqa: PLC0415
-    from publisher.reconciler import Reconciler  # noqa: PLC0415
-    from publisher.scanner import KafkaLogScanner  # noqa: PLC0415
-    from publisher.store import PublisherStore  # noqa: PLC0415
-
-    store = PublisherStore(args.database_url, uuid.uuid4())
-    scanner = KafkaLogScanner(args.kafka_bootstrap)
-    try:
-        moved = store.recover_expired_leases()
-        to_pending = sum(1 for r in moved if r.state is State.PENDING)
-        print(
-            f"expired leases recovered: {len(moved)} "
-            f"({to_pending} pending, {len(moved) - to_pending} uncertain)"
-        )
-        reconciler = Reconciler(
-            store,
-            scanner,
-            f"{operator_name()} (outbox reconcile)",
-            absence_grace=args.absence_grace,
-            fencer=KafkaFencer(args.kafka_bootstrap),
-        )
-        while True:
-            report = reconciler.run_once()
-            print(
-                f"reconciled: {len(report.delivered)} delivered, {len(report.pending)} pending "
-                f"(proven absent), {len(report.escalated)} escalated, "
-                f"{len(report.deferred)} deferred"
-            )
-            if report.decided < reconciler.limit:
-                break
-        with psycopg.connect(args.database_url) as conn:
-            left = next(
-                line.messages
-                for line in read_status(conn)
-                if line.topic is None and line.state == State.UNCERTAIN
-            )
-    finally:
-        scanner.close()
-        store.close()
-    if left:
-        print(
-            f"{left} message(s) still uncertain: see last_error; decide with outbox resolve "
-            "or wait for their producer's write deadline"
-        )
-        return EXIT_ACTION_NEEDED
-    return EXIT_OK
-
-
 def _resolve(args: argparse.Namespace) -> int:
     with psycopg.connect(args.database_url) as conn:
         try:
@@ -391,7 +334,6 @@ COMMANDS = {
     "inspect": _inspect,
     "list": _list,
     "purge": _purge,
-    "reconcile": _reconcile,
     "resolve": _resolve,
     "retry": _retry,
     "discard": _discard,
@@ -401,7 +343,12 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``outbox`` command; return its exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "reconcile":
+        print(RECONCILE_MOVED, file=sys.stderr)
+        return EXIT_ERROR
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not args.database_url:
         parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
     try:
@@ -413,9 +360,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except (OutboxError, psycopg.Error) as exc:
         print(f"outbox: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except KafkaError as exc:
-        print(f"outbox: Kafka did not answer ({exc}); check --kafka-bootstrap", file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -24,10 +24,10 @@ from outbox.states import State
 _NEXT_ACTION = {
     State.PENDING: "none: a publisher will claim it",
     State.IN_FLIGHT: "none while its lease is live; after that a publisher recovers it from "
-    "its evidence (or run outbox reconcile)",
+    "its evidence (or run outbox-publisher reconcile)",
     State.DELIVERED: "none",
     State.UNCERTAIN: "wait: the reconciler decides it from Kafka once the producer that sent "
-    "it can no longer write (or run outbox reconcile)",
+    "it can no longer write (or run outbox-publisher reconcile)",
     State.QUARANTINED: "read the error, fix the cause, then outbox retry ID, "
     "or outbox discard ID --reason TEXT",
     State.DISCARDED: "none: an operator decided not to deliver it",

@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
-from sqlalchemy.engine import Connection as SAConnection
-from sqlalchemy.orm import Session
 
 from outbox.connection import Executor, executor_for
 from outbox.errors import MigrationError
@@ -30,6 +28,9 @@ from outbox.errors import MigrationError
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 #: Key of the advisory lock held while migrating (the text 'outbox.migrate' hashed by hand).
 MIGRATION_LOCK_KEY = 0x6F7574626F78
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,17 +130,28 @@ class _Target:
     def __init__(self, conn: object) -> None:
         # Checks the driver (psycopg 3) and that a usable transaction is open.
         self.executor: Executor = executor_for(conn)
-        self._conn = conn.connection() if isinstance(conn, Session) else conn
+        self._conn: psycopg.Connection[Any] | SAConnection
+        if isinstance(conn, psycopg.Connection):
+            self._conn = conn
+        else:
+            # executor_for accepted it, so it is SQLAlchemy's and SQLAlchemy is
+            # installed; imported only here, so that `outbox migrate` and a
+            # service on plain psycopg never load it.
+            from sqlalchemy.orm import Session  # noqa: PLC0415
+
+            self._conn = (
+                conn.connection() if isinstance(conn, Session) else cast("SAConnection", conn)
+            )
 
     def script(self, sql: str) -> None:
         """Run SQL holding several statements and literal ``%`` signs, without parameters."""
-        if isinstance(self._conn, SAConnection):
+        if isinstance(self._conn, psycopg.Connection):
+            with self._conn.cursor() as cur:
+                cur.execute(sql.encode())
+        else:
             # no_parameters: the DBAPI gets the text alone, so psycopg neither
             # reads ``%`` as a placeholder nor rejects several statements.
             self._conn.exec_driver_sql(sql, execution_options={"no_parameters": True})
-        elif isinstance(self._conn, psycopg.Connection):
-            with self._conn.cursor() as cur:
-                cur.execute(sql.encode())
 
 
 def _apply(

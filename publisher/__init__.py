@@ -3,4 +3,21 @@
 Run it as ``outbox-publisher``; see ``publisher.cli`` for its settings,
 ``publisher.app`` for how a publisher is built from them, and
 ``publisher.loop`` for the state machine of one batch.
+
+Installed with the ``publisher`` extra (``pip install
+'pg-kafka-outbox[publisher]'``). The library (``outbox``) ships in the same
+wheel but needs none of it; without the extra, importing this package fails
+at once with what to install, rather than deep inside a module.
 """
+
+from importlib.util import find_spec
+
+#: The import names of what the publisher extra installs.
+_EXTRA = ("kafka", "prometheus_client")
+
+if _missing := [name for name in _EXTRA if find_spec(name) is None]:
+    raise ModuleNotFoundError(
+        f"the outbox publisher needs {', '.join(_missing)}: "
+        "pip install 'pg-kafka-outbox[publisher]'",
+        name=_missing[0],
+    )

@@ -6,6 +6,10 @@ describe. SIGTERM or SIGINT stops claiming; the batch in hand is sent, its
 outcomes are recorded, and the process exits 0. Exit code 2
 means the configuration was refused (every problem is printed), 1 that the
 publisher failed (including an HTTP address it cannot listen on).
+
+``outbox-publisher reconcile`` runs one recovery and reconciliation pass
+and exits (``publisher.reconcile_cli``): the operator command that reads
+Kafka, hence on this side of the package.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from publisher.app import build_app
 from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, PublisherConfig, resolve
 from publisher.faults import Faults, FaultSpecError
 from publisher.logs import configure_logging
+from publisher.reconcile_cli import main as reconcile_main
 
 log = logging.getLogger("publisher")
 
@@ -41,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Each setting can also be set with the environment variable in brackets or "
         "in a TOML file (--config), under the flag's name with underscores "
         "(batch_size = 500). A flag beats its variable, which beats the file, which beats "
-        "the default. See docs/publisher.md.",
+        "the default. See docs/publisher.md. `outbox-publisher reconcile` runs one "
+        "reconciliation pass now and exits (`outbox-publisher reconcile --help`).",
     )
     p.add_argument(
         "--config",
@@ -91,7 +97,13 @@ def config_from_args(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the publisher until SIGTERM/SIGINT (or idle); return the exit code."""
+    """Run the publisher until SIGTERM/SIGINT (or idle); return the exit code.
+
+    With ``reconcile`` as the first argument, run that command instead.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["reconcile"]:
+        return reconcile_main(argv[1:])
     try:
         config = config_from_args(argv)
         faults = Faults.from_env()

@@ -73,7 +73,7 @@ class PublisherConfig:
     #: Seconds between two passes of lease recovery (also run at start).
     recovery_interval: float = 5.0
     #: Seconds between two reconciliation passes over uncertain messages;
-    #: 0 turns automatic reconciliation off (``outbox reconcile`` still works).
+    #: 0 turns automatic reconciliation off (``outbox-publisher reconcile`` still works).
     reconcile_interval: float = 10.0
     #: Seconds after an uncertain message's write deadline before its record's
     #: absence from Kafka counts as proof (the broker's replica.lag.time.max.ms).
@@ -261,7 +261,7 @@ class PublisherConfig:
             problem(
                 "sink",
                 "sink 'confluent' needs the confluent-kafka package: "
-                "pip install 'outbox[confluent]'",
+                "pip install 'pg-kafka-outbox[confluent]'",
             )
         if (
             self.sink == "confluent"
@@ -435,7 +435,7 @@ SETTINGS: tuple[Setting, ...] = (
             "quarantined (TopicMissing)", "Kafka producer", flag_name="--no-auto-create-topics",
             flag_sets=False),
     Setting("sink", str, "producer library: kafka-python, or confluent (librdkafka; pip install "
-            "'outbox[confluent]')", "Kafka producer", normalise="lower", metavar="NAME"),
+            "'pg-kafka-outbox[confluent]')", "Kafka producer", normalise="lower", metavar="NAME"),
     Setting("delivery", str, "idempotent, or transactional: each batch in a Kafka transaction "
             "that Kafka fences, exactly once for read_committed consumers", "Kafka producer",
             normalise="lower", metavar="MODE"),

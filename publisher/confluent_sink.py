@@ -1,6 +1,6 @@
 """A sink on confluent-kafka (librdkafka), behind the same ``Sink`` interface as ``KafkaSink``.
 
-Installed with the ``confluent`` extra (``pip install 'outbox[confluent]'``)
+Installed with the ``confluent`` extra (``pip install 'pg-kafka-outbox[confluent]'``)
 and chosen with ``--sink confluent``. The producer is idempotent with
 ``acks=all``, every record goes to the partition the publisher chose, and
 each record's delivery callback reports its partition and offset or its

@@ -1,8 +1,10 @@
-"""``outbox resolve`` and ``outbox reconcile``: decisions by hand and by evidence, recorded."""
+"""``outbox resolve`` and ``outbox-publisher reconcile``: decisions by hand and by evidence."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,17 @@ pytestmark = pytest.mark.integration
 
 def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     return run_outbox_cli(url, *args)
+
+
+def _reconcile(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    """Run ``outbox-publisher reconcile --database-url URL ARGS...`` as a separate process."""
+    return subprocess.run(
+        [sys.executable, "-m", "publisher", "reconcile", "--database-url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def _enqueue(database_url: str, topic: str = "t") -> uuid.UUID:
@@ -224,14 +237,14 @@ def test_resolve_refuses_an_offset_with_pending(database_url: str) -> None:
 def test_reconcile_command_decides_found_and_absent_messages(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
-    """outbox reconcile delivers the found message, returns the absent one to pending, exits 0."""
+    """outbox-publisher reconcile delivers the found message, returns the absent one, exits 0."""
     found = _enqueue(database_url, topic)
     absent = _enqueue(database_url, topic)
     partitions = make_uncertain(database_url)
     offset = send_record(kafka_bootstrap, topic, partitions[found], found)
 
-    result = _outbox(
-        "reconcile", "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
+    result = _reconcile(
+        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
     )
     assert result.returncode == 0, result.stderr
     assert "reconciled: 1 delivered, 1 pending (proven absent), 0 escalated" in result.stdout
@@ -243,20 +256,21 @@ def test_reconcile_command_decides_found_and_absent_messages(
     decisions = _decisions(database_url)
     assert {(d[0], d[3]) for d in decisions} == {(found, "delivered"), (absent, "pending")}
     assert all(d[1].startswith("operator ") for d in decisions)
+    assert all(d[1].endswith("(outbox-publisher reconcile)") for d in decisions)
 
 
 def test_reconcile_command_exits_1_when_a_message_is_escalated(
     database_url: str, kafka_bootstrap: str
 ) -> None:
-    """outbox reconcile exits 1 when evidence is gone and a message stays uncertain."""
+    """outbox-publisher reconcile exits 1 when evidence is gone and a message stays uncertain."""
     gone = f"outbox-test-{uuid.uuid4().hex[:12]}"
     create_topic(kafka_bootstrap, gone, partitions=3)
     message_id = _enqueue(database_url, gone)
     make_uncertain(database_url)
     delete_topic(kafka_bootstrap, gone)
 
-    result = _outbox(
-        "reconcile", "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
+    result = _reconcile(
+        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
     )
     assert result.returncode == 1, result.stderr
     assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
@@ -267,3 +281,35 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     assert (state, escalated) == ("uncertain", True)
     [decision] = _decisions(database_url)
     assert (decision[0], decision[3]) == (message_id, "uncertain")
+
+
+def test_reconcile_command_without_kafka_is_a_usage_error(database_url: str) -> None:
+    """outbox-publisher reconcile with no Kafka exits 2 and names the flag and the variable."""
+    message_id = _uncertain(database_url)
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_KAFKA_BOOTSTRAP"}
+    result = subprocess.run(
+        [sys.executable, "-m", "publisher", "reconcile", "--database-url", database_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert result.returncode == 2
+    assert "--kafka-bootstrap" in result.stderr
+    assert "OUTBOX_KAFKA_BOOTSTRAP" in result.stderr
+    assert _state(database_url, message_id)[0] == "uncertain"
+    assert _decisions(database_url) == []
+
+
+def test_outbox_reconcile_names_the_publisher_command_and_its_extra(database_url: str) -> None:
+    """outbox reconcile, old flags and all, decides nothing, exits 2 and says what to run."""
+    message_id = _uncertain(database_url)
+    result = _outbox("reconcile", "--kafka-bootstrap", "localhost:1", url=database_url)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert "`outbox-publisher reconcile`" in line
+    assert "pip install 'pg-kafka-outbox[publisher]'" in line
+    assert _state(database_url, message_id)[0] == "uncertain"
+    assert _decisions(database_url) == []

@@ -1,56 +1,46 @@
-"""Import rules the layout depends on, read from the source with ``ast`` (nothing is imported).
+"""The import rules import-linter cannot see, read from the source with ``ast``.
 
-* Nothing imports a CLI module (``outbox.cli``, ``publisher.cli``): code
-  that needs a publisher builds it through the composition root,
-  ``publisher.app``, as the command does. A CLI runs as a process (the
-  console scripts in pyproject.toml, ``python -m outbox.cli`` in the tests),
-  which is not an import and is always allowed. The exceptions, each with
-  its reason, are ``CLI_IMPORTS_ALLOWED``: the ``python -m publisher`` entry
-  point, and the CLI's own tests of its flag parsing.
-* The library (``outbox/``) imports neither the publisher nor a Kafka
-  client, so a service that embeds it pulls in neither. The ``outbox``
-  operator command is the one exception (``outbox reconcile`` reads Kafka
-  through the publisher's reconciler); the rule above keeps it a leaf that
-  no library module imports.
-
-Every import counts: at the top of a module or inside a function, absolute
-or relative.
+The architecture rules are import-linter contracts in pyproject.toml
+(``[tool.importlinter]``), checked by ``lint-imports`` in ``make test``: the
+library imports neither the publisher nor a Kafka or metrics client, nothing
+imports a command-line module, and outcome classification and partitioning
+do no I/O. import-linter reads packages only (``outbox``, ``publisher``,
+``tests``); ``benchmarks/`` and ``examples/`` are folders of scripts, so the
+CLI rule is checked here for them, against the protected modules the contract
+names. Every import counts: at the top of a module or inside a function,
+absolute or relative.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The folders whose modules the rules cover.
-CHECKED = ("outbox", "publisher", "tests", "benchmarks", "examples")
+#: The folders of scripts that are no package, hence not seen by import-linter.
+SCRIPT_FOLDERS = ("benchmarks", "examples")
 
-CLI_MODULES = ("outbox.cli", "publisher.cli")
 
-#: File -> why it may import a CLI module.
-CLI_IMPORTS_ALLOWED = {
-    "publisher/__main__.py": "``python -m publisher`` is an entry point, like the console script",
-    "tests/unit/test_config.py": (
-        "the CLI's own test: flags, environment and config file reach the config "
-        "through its parser (config_from_args)"
-    ),
-}
+#: import-linter's configuration, ``[tool.importlinter]`` of pyproject.toml.
+IMPORTLINTER: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+    "importlinter"
+]
 
-#: What the library must not import: the publisher and the Kafka clients.
-NOT_FOR_THE_LIBRARY = ("publisher", "kafka", "confluent_kafka")
 
-#: Library files that may import them anyway, and why.
-LIBRARY_EXCEPTIONS = {
-    "outbox/cli.py": (
-        "the operator command: ``outbox reconcile`` builds the publisher's reconciler and "
-        "reads Kafka; no library module imports it (the CLI rule checks that)"
-    ),
-}
+def _contract(contract_id: str) -> dict[str, Any]:
+    contracts: list[dict[str, Any]] = IMPORTLINTER["contracts"]
+    [contract] = [c for c in contracts if c.get("id") == contract_id]
+    return contract
+
+
+#: The command-line modules, as the no-cli-imports contract protects them.
+CLI_MODULES: tuple[str, ...] = tuple(_contract("no-cli-imports")["protected_modules"])
 
 
 def _modules(*folders: str) -> Iterator[Path]:
@@ -88,40 +78,34 @@ def _name(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-def test_no_module_imports_a_cli() -> None:
-    """Outside the listed exceptions, no module imports ``outbox.cli`` or ``publisher.cli``."""
+def test_no_script_imports_a_cli() -> None:
+    """No benchmark or example imports a CLI module; they build publishers with publisher.app."""
     offenders = {
         _name(path): sorted(m for m in imported_modules(path) if _is_within(m, CLI_MODULES))
-        for path in _modules(*CHECKED)
-        if _name(path) not in CLI_IMPORTS_ALLOWED
+        for path in _modules(*SCRIPT_FOLDERS)
     }
     offenders = {name: found for name, found in offenders.items() if found}
     assert offenders == {}, (
-        f"these modules import a CLI module; build a publisher with publisher.app instead: "
+        f"these scripts import a CLI module; build a publisher with publisher.app instead: "
         f"{offenders}"
     )
 
 
-def test_every_cli_import_exception_is_still_needed() -> None:
-    """Each file allowed to import a CLI module exists and does import one."""
-    unneeded = [
-        name
-        for name in CLI_IMPORTS_ALLOWED
-        if not (ROOT / name).exists()
-        or not any(_is_within(m, CLI_MODULES) for m in imported_modules(ROOT / name))
-    ]
-    assert unneeded == []
-
-
-def test_the_library_imports_neither_the_publisher_nor_a_kafka_client() -> None:
-    """No module of ``outbox/`` but the operator command imports publisher, kafka or confluent."""
-    offenders = {
-        _name(path): sorted(m for m in imported_modules(path) if _is_within(m, NOT_FOR_THE_LIBRARY))
-        for path in _modules("outbox")
-        if _name(path) not in LIBRARY_EXCEPTIONS
+def test_every_command_module_is_protected() -> None:
+    """Every module of outbox/ and publisher/ named cli or *_cli is a protected module."""
+    found = {
+        f"{path.parent.name}.{path.stem}"
+        for path in _modules("outbox", "publisher")
+        if path.stem == "cli" or path.stem.endswith("_cli")
     }
-    offenders = {name: found for name, found in offenders.items() if found}
-    assert offenders == {}, f"the library must not import these: {offenders}"
+    assert found == set(CLI_MODULES)
+
+
+def test_the_script_folders_are_not_packages() -> None:
+    """The folders checked here are no packages (a package belongs in root_packages instead)."""
+    packages = [f for f in SCRIPT_FOLDERS if (ROOT / f / "__init__.py").exists()]
+    assert packages == []
+    assert set(IMPORTLINTER["root_packages"]).isdisjoint(SCRIPT_FOLDERS)
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,7 @@ def test_the_confluent_sink_without_its_package_names_the_extra(
 
     monkeypatch.setattr(importlib.util, "find_spec", without_confluent)
     [problem] = _config(sink="confluent").problems()
-    assert "pip install 'outbox[confluent]'" in problem.text
+    assert "pip install 'pg-kafka-outbox[confluent]'" in problem.text
     assert problem.fields == {"sink"}
     assert _config(sink="kafka-python").problems() == []
 

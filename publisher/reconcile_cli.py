@@ -1,0 +1,143 @@
+"""``outbox-publisher reconcile``: one recovery and reconciliation pass now, then exit.
+
+Publishers recover expired leases and reconcile uncertain messages on their
+own, at ``--recovery-interval`` and ``--reconcile-interval``. This command
+runs one of each on demand, with no publisher running: it moves in-flight
+messages whose lease expired by their evidence, then decides every uncertain
+message that is due from what its Kafka partition holds. It lives on the
+publisher's side because it reads Kafka; the ``outbox`` command needs only
+PostgreSQL.
+
+Exit codes: 0 when no message is left uncertain, 1 when some are (escalated,
+or not yet due), 2 when the command could not run (bad usage, an unreachable
+or unmigrated database, Kafka not answering).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+import psycopg
+import psycopg.errors
+from kafka.errors import KafkaError
+
+from outbox.errors import OutboxError
+from outbox.operator import operator_name
+from outbox.states import State
+from outbox.status import read_status
+from publisher.connector import connect
+from publisher.fencing import KafkaFencer
+from publisher.reconciler import Reconciler
+from publisher.scanner import KafkaLogScanner
+from publisher.store import PublisherStore
+
+#: How the command is called: ``outbox-publisher`` dispatches its first word here.
+COMMAND = "outbox-publisher reconcile"
+
+EXIT_OK = 0
+EXIT_ACTION_NEEDED = 1
+EXIT_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=COMMAND,
+        description="Move in-flight messages whose lease expired (by their evidence), then look "
+        "for every uncertain message whose producer can no longer write in its Kafka partition: "
+        "found -> delivered, proven absent -> pending, evidence gone -> escalated to you. "
+        "Publishers do this on their own at an interval; this runs one pass now.",
+        epilog="Exit codes: 0 none left uncertain; 1 some left uncertain (decide them with "
+        "`outbox resolve`, or wait for their producer's write deadline); 2 the command could "
+        "not run (the reason is on stderr). See docs/operations.md.",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("OUTBOX_DATABASE_URL"),
+        help="PostgreSQL URL, e.g. postgresql://user@host:5432/db (default: $OUTBOX_DATABASE_URL)",
+    )
+    parser.add_argument(
+        "--kafka-bootstrap",
+        default=os.environ.get("OUTBOX_KAFKA_BOOTSTRAP"),
+        help="Kafka bootstrap servers, host:port[,...] (default: $OUTBOX_KAFKA_BOOTSTRAP)",
+    )
+    parser.add_argument(
+        "--absence-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds after a write deadline before a record's absence from Kafka is proof; "
+        "at least the brokers' replica.lag.time.max.ms (default: 30)",
+    )
+    return parser
+
+
+def _reconcile(database_url: str, kafka_bootstrap: str, absence_grace: float) -> int:
+    store = PublisherStore(database_url, uuid.uuid4())
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        moved = store.recover_expired_leases()
+        to_pending = sum(1 for r in moved if r.state is State.PENDING)
+        print(
+            f"expired leases recovered: {len(moved)} "
+            f"({to_pending} pending, {len(moved) - to_pending} uncertain)"
+        )
+        reconciler = Reconciler(
+            store,
+            scanner,
+            f"{operator_name()} ({COMMAND})",
+            absence_grace=absence_grace,
+            fencer=KafkaFencer(kafka_bootstrap),
+        )
+        while True:
+            report = reconciler.run_once()
+            print(
+                f"reconciled: {len(report.delivered)} delivered, {len(report.pending)} pending "
+                f"(proven absent), {len(report.escalated)} escalated, "
+                f"{len(report.deferred)} deferred"
+            )
+            if report.decided < reconciler.limit:
+                break
+        with connect(database_url) as conn:
+            left = next(
+                line.messages
+                for line in read_status(conn)
+                if line.topic is None and line.state == State.UNCERTAIN
+            )
+    finally:
+        scanner.close()
+        store.close()
+    if left:
+        print(
+            f"{left} message(s) still uncertain: see last_error; decide with outbox resolve "
+            "or wait for their producer's write deadline"
+        )
+        return EXIT_ACTION_NEEDED
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``outbox-publisher reconcile`` (``argv`` without that word); return its exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.database_url:
+        parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
+    if not args.kafka_bootstrap:
+        parser.error("no Kafka: pass --kafka-bootstrap or set OUTBOX_KAFKA_BOOTSTRAP")
+    try:
+        return _reconcile(args.database_url, args.kafka_bootstrap, args.absence_grace)
+    except psycopg.errors.UndefinedTable as exc:
+        print(
+            f"{COMMAND}: the outbox tables are missing ({exc}); run `outbox migrate`",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    except (OutboxError, psycopg.Error) as exc:
+        print(f"{COMMAND}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KafkaError as exc:
+        print(f"{COMMAND}: Kafka did not answer ({exc}); check --kafka-bootstrap", file=sys.stderr)
+        return EXIT_ERROR
