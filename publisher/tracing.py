@@ -1,0 +1,174 @@
+"""A producer span per batch sent, linked to the spans that enqueued its messages.
+
+With ``opentelemetry-api`` installed (the ``otel`` extra), each batch the
+loop sends is recorded as a ``PRODUCER`` span named ``send <topic>`` (``send``
+when the batch has several topics), after OpenTelemetry's messaging
+semantic conventions: ``messaging.system=kafka``,
+``messaging.operation.type=send``, ``messaging.batch.message_count``,
+``messaging.destination.name`` when the batch has one topic, and the batch
+id as ``outbox.batch.id``. It links to the span context each message
+carries in its ``traceparent``/``tracestate`` headers (stored by
+``outbox.enqueue``), once per distinct context and at most ``MAX_LINKS``.
+It ends with an error status unless every message of the batch was
+delivered.
+
+Spans go to the global tracer provider: a no-op unless the process
+configured an SDK (``opentelemetry-instrument outbox-publisher``, say). A
+no-op provider (or a sampler that drops the span) costs a span start per
+batch and nothing per message: headers are read only for a recording span.
+Without OpenTelemetry, ``batch_spans`` returns ``BatchSpans``, whose calls
+do nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from outbox.states import State
+from outbox.tracing import TRACE_HEADERS, TRACEPARENT
+from publisher.store import Batch, ClaimedMessage, Settlement
+
+try:
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+except ImportError:  # the otel extra is not installed: batches are not traced
+    _OTEL = False
+else:
+    _OTEL = True
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, SpanContext, TracerProvider
+
+#: Links per span, at most: the SDK's default span link limit
+#: (``OTEL_SPAN_LINK_COUNT_LIMIT``). Contexts beyond it are counted in
+#: ``outbox.batch.links_dropped``; the messages still carry their headers.
+MAX_LINKS = 128
+
+
+class BatchSpans:
+    """What the loop tells tracing about a batch; this base records nothing.
+
+    ``sending`` when the batch's hand-over begins, ``settled`` once its
+    outcomes are recorded, ``ended`` when the loop lets the batch go (after
+    ``settled``, or after an error or a fence that left it unsettled).
+    """
+
+    def sending(self, batch: Batch) -> None:
+        """The batch begins to be sent."""
+
+    def settled(self, batch: Batch, settlements: Sequence[Settlement]) -> None:
+        """The batch's outcomes were recorded."""
+
+    def ended(self, batch: Batch) -> None:
+        """The loop is done with the batch."""
+
+
+def batch_spans(tracer_provider: TracerProvider | None = None) -> BatchSpans:
+    """Spans on ``tracer_provider`` (the global one by default) with OpenTelemetry, else none."""
+    if not _OTEL:
+        return BatchSpans()
+    return _TracedBatches(trace.get_tracer(__name__, tracer_provider=tracer_provider))
+
+
+@dataclass
+class _Open:
+    span: Span
+    outcomes: Counter[State] | None = field(default=None)
+
+
+class _TracedBatches(BatchSpans):
+    """One span per batch, open from its hand-over until the loop lets it go."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+        self._propagator = TraceContextTextMapPropagator()
+        #: Recording spans by batch id; only the loop's thread touches it.
+        self._open: dict[int, _Open] = {}
+
+    def sending(self, batch: Batch) -> None:
+        # Only what costs nothing per message is known to the sampler: the
+        # destination is set once the span is known to be recorded.
+        span = self._tracer.start_span(
+            "send",
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "send",
+                "messaging.operation.name": "send",
+                "messaging.batch.message_count": len(batch.messages),
+                "outbox.batch.id": batch.id,
+            },
+        )
+        if not span.is_recording():
+            return
+        topics = {m.topic for m in batch.messages}
+        if len(topics) == 1:
+            (topic,) = topics
+            span.update_name(f"send {topic}")
+            span.set_attribute("messaging.destination.name", topic)
+        dropped = self._link(span, batch.messages)
+        if dropped:
+            span.set_attribute("outbox.batch.links_dropped", dropped)
+        self._open[batch.id] = _Open(span)
+
+    def _link(self, span: Span, messages: Sequence[ClaimedMessage]) -> int:
+        """Link the span to each distinct valid enqueuing context; return how many were left."""
+        seen: set[tuple[int, int]] = set()
+        dropped = 0
+        for m in messages:
+            context = self._enqueued_in(m)
+            if context is None or (context.trace_id, context.span_id) in seen:
+                continue
+            seen.add((context.trace_id, context.span_id))
+            if len(seen) > MAX_LINKS:
+                dropped += 1
+            else:
+                span.add_link(context)
+        return dropped
+
+    def _enqueued_in(self, m: ClaimedMessage) -> SpanContext | None:
+        """The span context of the message's trace headers, if they hold a valid one."""
+        carrier: dict[str, str] = {}
+        for name, value in m.headers:
+            lowered = name.lower()
+            if lowered in TRACE_HEADERS:
+                # Not ASCII: the propagator refuses the replacement characters.
+                carrier.setdefault(lowered, value.decode("ascii", errors="replace"))
+        if TRACEPARENT not in carrier:
+            return None
+        context = trace.get_current_span(self._propagator.extract(carrier)).get_span_context()
+        return context if context.is_valid else None
+
+    def settled(self, batch: Batch, settlements: Sequence[Settlement]) -> None:
+        held = self._open.get(batch.id)
+        if held is not None:
+            held.outcomes = Counter(s.state for s in settlements)
+
+    def ended(self, batch: Batch) -> None:
+        held = self._open.pop(batch.id, None)
+        if held is None:
+            return
+        span, outcomes = held.span, held.outcomes
+        if outcomes is None:
+            span.set_status(
+                trace.StatusCode.ERROR,
+                "not settled by this publisher (its session was fenced, or an error stopped it)",
+            )
+        else:
+            claimed = len(batch.messages)
+            delivered = outcomes.pop(State.DELIVERED, 0)
+            span.set_attribute("outbox.batch.delivered_count", delivered)
+            if delivered < claimed:
+                # Messages without a settlement were recovered by another
+                # publisher before this one began sending them.
+                lost = claimed - delivered - outcomes.total()
+                why = [f"{n} {state.value}" for state, n in sorted(outcomes.items())]
+                why += [f"{lost} taken over"] if lost else []
+                span.set_status(
+                    trace.StatusCode.ERROR,
+                    f"{claimed - delivered} of {claimed} messages not delivered: {', '.join(why)}",
+                )
+        span.end()
