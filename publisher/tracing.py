@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from outbox.states import State
@@ -74,9 +74,11 @@ def batch_spans(tracer_provider: TracerProvider | None = None) -> BatchSpans:
 
 
 @dataclass
-class _Open:
+class _Traced:
+    """A batch's recording span, and its messages' outcomes once settled."""
+
     span: Span
-    outcomes: Counter[State] | None = field(default=None)
+    outcomes: Counter[State] | None = None
 
 
 class _TracedBatches(BatchSpans):
@@ -86,7 +88,7 @@ class _TracedBatches(BatchSpans):
         self._tracer = tracer
         self._propagator = TraceContextTextMapPropagator()
         #: Recording spans by batch id; only the loop's thread touches it.
-        self._open: dict[int, _Open] = {}
+        self._traced: dict[int, _Traced] = {}
 
     def sending(self, batch: Batch) -> None:
         # Only what costs nothing per message is known to the sampler: the
@@ -112,7 +114,7 @@ class _TracedBatches(BatchSpans):
         dropped = self._link(span, batch.messages)
         if dropped:
             span.set_attribute("outbox.batch.links_dropped", dropped)
-        self._open[batch.id] = _Open(span)
+        self._traced[batch.id] = _Traced(span)
 
     def _link(self, span: Span, messages: Sequence[ClaimedMessage]) -> int:
         """Link the span to each distinct valid enqueuing context; return how many were left."""
@@ -143,15 +145,15 @@ class _TracedBatches(BatchSpans):
         return context if context.is_valid else None
 
     def settled(self, batch: Batch, settlements: Sequence[Settlement]) -> None:
-        held = self._open.get(batch.id)
-        if held is not None:
-            held.outcomes = Counter(s.state for s in settlements)
+        traced = self._traced.get(batch.id)
+        if traced is not None:
+            traced.outcomes = Counter(s.state for s in settlements)
 
     def ended(self, batch: Batch) -> None:
-        held = self._open.pop(batch.id, None)
-        if held is None:
+        traced = self._traced.pop(batch.id, None)
+        if traced is None:
             return
-        span, outcomes = held.span, held.outcomes
+        span, outcomes = traced.span, traced.outcomes
         if outcomes is None:
             span.set_status(
                 trace.StatusCode.ERROR,

@@ -281,6 +281,20 @@ def test_a_batch_not_delivered_whole_ends_with_an_error_status(
     assert (span.attributes or {})["outbox.batch.delivered_count"] == 1
 
 
+def test_messages_taken_over_before_sending_count_as_not_delivered(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """A message recovered by another publisher before the mark is not delivered by this batch."""
+    kept, lost = _message(key=b"a"), _message(key=b"b")
+    events: list[str] = []
+    store = FakeStore(events, [_batch(kept, lost)])
+    store.lost_before_sending = {lost.id}
+    _publisher(store, FakeSink(events), spans=batch_spans(provider)).run_once()
+
+    (span,) = _spans(exporter)
+    assert span.status.description == "1 of 2 messages not delivered: 1 taken over"
+
+
 def test_a_fenced_batch_ends_with_an_error_status_and_is_not_settled(
     provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
