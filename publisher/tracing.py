@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from outbox.states import State
-from outbox.tracing import TRACE_HEADERS, TRACEPARENT
+from outbox.tracing import TRACEPARENT, TRACESTATE
 from publisher.store import Batch, ClaimedMessage, Settlement
 
 try:
@@ -43,8 +43,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, SpanContext, TracerProvider
 
 #: Links per span, at most: the SDK's default span link limit
-#: (``OTEL_SPAN_LINK_COUNT_LIMIT``). Contexts beyond it are counted in
-#: ``outbox.batch.links_dropped``; the messages still carry their headers.
+#: (``OTEL_SPAN_LINK_COUNT_LIMIT``). Parsing a context costs about 10 us, so
+#: beyond it the distinct trace headers are only counted, in
+#: ``outbox.batch.links_dropped``; the messages still carry them to Kafka.
 MAX_LINKS = 128
 
 
@@ -117,30 +118,33 @@ class _TracedBatches(BatchSpans):
         self._traced[batch.id] = _Traced(span)
 
     def _link(self, span: Span, messages: Sequence[ClaimedMessage]) -> int:
-        """Link the span to each distinct valid enqueuing context; return how many were left."""
-        seen: set[tuple[int, int]] = set()
-        dropped = 0
+        """Link the span to each distinct valid enqueuing context; return how many were left.
+
+        Messages enqueued in one span carry the same headers: they are parsed
+        once. Past ``MAX_LINKS`` links nothing more is parsed, only counted.
+        """
+        seen: set[tuple[bytes, bytes | None]] = set()
+        linked = dropped = 0
         for m in messages:
-            context = self._enqueued_in(m)
-            if context is None or (context.trace_id, context.span_id) in seen:
+            headers = _trace_headers(m.headers)
+            if headers is None or headers in seen:
                 continue
-            seen.add((context.trace_id, context.span_id))
-            if len(seen) > MAX_LINKS:
+            seen.add(headers)
+            if linked == MAX_LINKS:
                 dropped += 1
-            else:
+                continue
+            context = self._context(*headers)
+            if context is not None:
                 span.add_link(context)
+                linked += 1
         return dropped
 
-    def _enqueued_in(self, m: ClaimedMessage) -> SpanContext | None:
-        """The span context of the message's trace headers, if they hold a valid one."""
-        carrier: dict[str, str] = {}
-        for name, value in m.headers:
-            lowered = name.lower()
-            if lowered in TRACE_HEADERS:
-                # Not ASCII: the propagator refuses the replacement characters.
-                carrier.setdefault(lowered, value.decode("ascii", errors="replace"))
-        if TRACEPARENT not in carrier:
-            return None
+    def _context(self, traceparent: bytes, tracestate: bytes | None) -> SpanContext | None:
+        """The span context the headers hold, if it is valid."""
+        # Not ASCII: the propagator refuses the replacement characters.
+        carrier = {TRACEPARENT: traceparent.decode("ascii", errors="replace")}
+        if tracestate is not None:
+            carrier[TRACESTATE] = tracestate.decode("ascii", errors="replace")
         context = trace.get_current_span(self._propagator.extract(carrier)).get_span_context()
         return context if context.is_valid else None
 
@@ -174,3 +178,16 @@ class _TracedBatches(BatchSpans):
                     f"{claimed - delivered} of {claimed} messages not delivered: {', '.join(why)}",
                 )
         span.end()
+
+
+def _trace_headers(headers: Sequence[tuple[str, bytes]]) -> tuple[bytes, bytes | None] | None:
+    """A message's first ``traceparent`` and ``tracestate`` (any letter case), if it has the
+    first."""
+    traceparent = tracestate = None
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == TRACEPARENT and traceparent is None:
+            traceparent = value
+        elif lowered == TRACESTATE and tracestate is None:
+            tracestate = value
+    return None if traceparent is None else (traceparent, tracestate)
