@@ -22,6 +22,7 @@ from outbox.errors import (
     ValueTooLarge,
 )
 from outbox.ids import new_message_id
+from outbox.tracing import add_trace_context
 
 #: Header that carries the message id to Kafka; reconciliation looks for it.
 ID_HEADER = "outbox-id"
@@ -151,7 +152,12 @@ def build_intent(
     idempotency_key: object = None,
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
 ) -> Intent:
-    """Validate and encode one intent; raise an ``InvalidMessage`` naming the problem."""
+    """Validate and encode one intent; raise an ``InvalidMessage`` naming the problem.
+
+    With OpenTelemetry installed and a span current, the headers also get
+    that span's ``traceparent`` (and ``tracestate``), unless the caller set
+    either (see ``outbox.tracing``).
+    """
     topic = validate_topic(topic)
     encoded_key = encode_key(key)
     encoded_value, is_json = encode_value(value)
@@ -161,6 +167,9 @@ def build_intent(
             f"the configured maximum is {max_value_bytes}"
         )
     names, values = encode_headers(headers)
+    # Both enqueue paths (one message or many, sync or async) build their
+    # intents here, so each message gets the span current when it was built.
+    add_trace_context(names, values)
     if is_json and CONTENT_TYPE_HEADER not in names:
         names.append(CONTENT_TYPE_HEADER)
         values.append(JSON_CONTENT_TYPE)

@@ -70,6 +70,7 @@ from publisher.sink import (
     Sink,
 )
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
+from publisher.tracing import BatchSpans, batch_spans
 from publisher.waker import Waker
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Publisher:
         kafka_probe_interval: float = 10.0,
         retention: RetentionRunner | None = None,
         claim_ahead_store: PublisherStore | None = None,
+        spans: BatchSpans | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -133,6 +135,8 @@ class Publisher:
         self.waker = waker or Waker(None)
         self.reconciler = reconciler
         self.faults = faults or Faults()
+        #: A span per batch sent, with OpenTelemetry (see ``publisher.tracing``).
+        self.spans = spans if spans is not None else batch_spans()
         self.totals = Totals()
         self._version = version
         self._pid = pid
@@ -300,6 +304,7 @@ class Publisher:
                 return len(batch.messages)
             for sent, settlements in self._send(batch, in_hand):
                 self._settle(sent, settlements)
+                self.spans.settled(sent, settlements)
         finally:
             # Settled, or given up on (an error on the way): either way their
             # leases are no longer renewed; recovery takes what is left.
@@ -323,6 +328,7 @@ class Publisher:
     def _let_go(self, batch: Batch) -> None:
         with self._held_lock:
             self._held.discard(batch.id)
+        self.spans.ended(batch)
 
     def _send(self, batch: Batch, in_hand: list[Batch]) -> list[tuple[Batch, list[Settlement]]]:
         """Send what this publisher still holds of the batch; each batch's settlements.
@@ -358,6 +364,7 @@ class Publisher:
         With ``begin``, a Kafka transaction is begun first (if anything is to
         be sent); a batch that joins an open transaction is sent into it.
         """
+        self.spans.sending(batch)
         counts, refused = self._describe_topics(batch)
         sendable = [m for m in batch.messages if m.id not in refused]
         held = {m.id for m in batch.messages}
