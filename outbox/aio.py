@@ -52,6 +52,7 @@ async def enqueue_many(conn: object, messages: Iterable[Message]) -> list[uuid.U
     """Write many intents in ``conn``'s open transaction; return their ids in order.
 
     It writes all of them or none, even when it fails or its task is
-    cancelled part-way (docs/embedding.md, "Cancellation").
+    cancelled part-way (docs/embedding.md, "All or nothing: failures and
+    cancellation", says what the transaction is left as).
     """
     return await _default.enqueue_many_async(conn, messages)
