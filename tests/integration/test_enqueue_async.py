@@ -423,6 +423,31 @@ def test_cancelled_enqueue_many_leaves_none_of_its_rows(
     assert [mid for mid, _ in _committed(database_url)] == kept
 
 
+def test_several_messages_with_idempotency_keys_run_in_a_savepoint(database_url: str) -> None:
+    """Their lookup is a second statement, so they get a savepoint: cancelled, psycopg goes on."""
+    name = f"cancelled-{uuid.uuid4().hex[:8]}"
+    messages = [
+        outbox.Message("t", b"a", idempotency_key="a"),
+        outbox.Message("t", b"b", key="hot", idempotency_key="b"),
+    ]
+
+    async def test() -> uuid.UUID:
+        async with _psycopg(database_url, application_name=name) as conn:
+            before = await outbox.aio.enqueue(conn, "t", b"before")
+            with _key_held(database_url, "t", "hot"):
+                call = asyncio.create_task(outbox.aio.enqueue_many(conn, messages))
+                await _until_waiting_on_lock(database_url, name)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            assert conn.info.transaction_status == TransactionStatus.INTRANS
+            await conn.commit()
+        return before
+
+    before = asyncio.run(test())
+    assert _committed(database_url) == [(before, b"before")]
+
+
 @ASYNC_OPENERS
 def test_enqueue_cancelled_while_its_statement_runs_fails_the_transaction(
     database_url: str, opener: AsyncOpener
