@@ -8,8 +8,11 @@ delivers it to Kafka and records the broker's confirmation::
         conn.execute("INSERT INTO orders ...")
         outbox.enqueue(conn, "orders", {"id": 42}, key="customer-7")
     # committed: the order row and its intent together, or neither
+
+On an async connection, ``await outbox.aio.enqueue(conn, ...)`` does the same.
 """
 
+from outbox import aio
 from outbox.enqueue import Message, Outbox, enqueue, enqueue_many
 from outbox.errors import (
     ConnectionNotSupported,
@@ -48,6 +51,7 @@ __all__ = [
     "TransactionAborted",
     "ValueTooLarge",
     "__version__",
+    "aio",
     "enqueue",
     "enqueue_many",
 ]

@@ -1,34 +1,75 @@
 """The database seam of the library: run SQL on whatever connection the caller holds.
 
-``enqueue`` accepts a SQLAlchemy ``Session``, a SQLAlchemy ``Connection`` or a
-psycopg 3 ``Connection``. Statements go through SQLAlchemy when the caller
-uses it, so that SQLAlchemy's own transaction bookkeeping sees them (a
-statement sent behind its back would not be committed by ``conn.commit()``).
-Nothing here begins, commits or rolls back a transaction.
+``enqueue`` accepts a psycopg 3 ``Connection`` or a SQLAlchemy ``Session`` or
+``Connection``; ``outbox.aio.enqueue`` accepts their async counterparts (a
+psycopg 3 ``AsyncConnection``, a SQLAlchemy ``AsyncSession`` or
+``AsyncConnection``). Statements go through SQLAlchemy when the caller uses
+it, so that SQLAlchemy's own transaction bookkeeping sees them (a statement
+sent behind its back would not be committed by ``conn.commit()``).
+
+Nothing here begins, commits or rolls back the caller's transaction. A
+savepoint (``savepoint()``) is the one thing the library opens itself, and it
+is always released or rolled back to before the call returns.
+
+SQLAlchemy is optional: it is imported only when ``conn`` is one of its
+objects, so a service on psycopg alone never loads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+    suppress,
+)
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
-from sqlalchemy.engine import Connection as SAConnection
-from sqlalchemy.orm import Session
 
 from outbox.errors import ConnectionNotSupported, NoOpenTransaction, TransactionAborted
 
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+
 # A tuple, not a list: SQLAlchemy reads a list of parameters as "execute many".
 Params = tuple[Any, ...] | Mapping[str, Any]
+Rows = list[tuple[Any, ...]]
+
+#: The savepoint a multi-statement ``enqueue_many`` runs in on a psycopg connection.
+SAVEPOINT = "outbox_enqueue"
+_ROLLBACK_TO_SAVEPOINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}"
+
+_SYNC_HINT = "use outbox.enqueue / outbox.enqueue_many (without await)"
+_ASYNC_HINT = "use `await outbox.aio.enqueue(...)` / `await outbox.aio.enqueue_many(...)`"
 
 
 class Executor(Protocol):
-    """Runs one statement in the caller's transaction and returns its rows."""
+    """Runs statements in the caller's transaction."""
 
-    def fetchall(self, sql: str, params: Params) -> list[tuple[Any, ...]]:
+    def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute ``sql`` with psycopg-style placeholders and return all rows."""
+        ...
+
+    def savepoint(self) -> AbstractContextManager[None]:
+        """Roll back to a savepoint if the block raises, release it if not."""
+        ...
+
+
+class AsyncExecutor(Protocol):
+    """Runs statements in the caller's transaction, on an async connection."""
+
+    async def fetchall(self, sql: str, params: Params) -> Rows:
+        """Execute ``sql`` with psycopg-style placeholders and return all rows."""
+        ...
+
+    def savepoint(self) -> AbstractAsyncContextManager[None]:
+        """Roll back to a savepoint if the block raises (or is cancelled), release it if not."""
         ...
 
 
@@ -38,11 +79,61 @@ class PsycopgExecutor:
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._conn = conn
 
-    def fetchall(self, sql: str, params: Params) -> list[tuple[Any, ...]]:
+    def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute on a tuple-row cursor whatever row factory the caller chose."""
         with self._conn.cursor(row_factory=tuple_row) as cur:
             cur.execute(sql, params)
             return cur.fetchall() if cur.description is not None else []
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A SAVEPOINT statement, not ``conn.transaction()``.
+
+        On a connection whose transaction has not begun yet (no statement
+        sent), ``conn.transaction()`` would begin one and commit it at the end
+        of the block; a SAVEPOINT statement instead lets psycopg begin the
+        caller's transaction as any first statement does, and leaves it open.
+        """
+        self._conn.execute(f"SAVEPOINT {SAVEPOINT}")
+        try:
+            yield
+        except BaseException:
+            # If this fails too, the original error says more; the transaction stays failed.
+            with suppress(psycopg.Error):
+                self._conn.execute(_ROLLBACK_TO_SAVEPOINT)
+            raise
+        self._conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+
+
+class AsyncPsycopgExecutor:
+    """Executes on a caller's psycopg 3 async connection."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self._conn = conn
+
+    async def fetchall(self, sql: str, params: Params) -> Rows:
+        """Execute on a tuple-row cursor whatever row factory the caller chose."""
+        async with self._conn.cursor(row_factory=tuple_row) as cur:
+            await cur.execute(sql, params)
+            return await cur.fetchall() if cur.description is not None else []
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        """As ``PsycopgExecutor.savepoint``; a cancelled block rolls back too.
+
+        psycopg cancels a statement interrupted by task cancellation in the
+        server, which fails the transaction; the rollback to the savepoint
+        makes it usable again.
+        """
+        await self._conn.execute(f"SAVEPOINT {SAVEPOINT}")
+        try:
+            yield
+        except BaseException:
+            # If this fails too, the original error says more; the transaction stays failed.
+            with suppress(psycopg.Error):
+                await self._conn.execute(_ROLLBACK_TO_SAVEPOINT)
+            raise
+        await self._conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 class SQLAlchemyExecutor:
@@ -51,10 +142,34 @@ class SQLAlchemyExecutor:
     def __init__(self, conn: SAConnection) -> None:
         self._conn = conn
 
-    def fetchall(self, sql: str, params: Params) -> list[tuple[Any, ...]]:
+    def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute with ``exec_driver_sql``: the SQL goes to psycopg unchanged."""
         result = self._conn.exec_driver_sql(sql, params)
         return [tuple(row) for row in result] if result.returns_rows else []
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """SQLAlchemy's own nested transaction, so that it knows about the savepoint."""
+        with self._conn.begin_nested():
+            yield
+
+
+class AsyncSQLAlchemyExecutor:
+    """Executes through a SQLAlchemy async connection so its transaction tracks the write."""
+
+    def __init__(self, conn: SAAsyncConnection) -> None:
+        self._conn = conn
+
+    async def fetchall(self, sql: str, params: Params) -> Rows:
+        """Execute with ``exec_driver_sql``: the SQL goes to psycopg unchanged."""
+        result = await self._conn.exec_driver_sql(sql, params)
+        return [tuple(row) for row in result] if result.returns_rows else []
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        """SQLAlchemy's own nested transaction, so that it knows about the savepoint."""
+        async with self._conn.begin_nested():
+            yield
 
 
 def executor_for(conn: object) -> Executor:
@@ -62,24 +177,88 @@ def executor_for(conn: object) -> Executor:
     if isinstance(conn, psycopg.Connection):
         _check_transaction(conn)
         return PsycopgExecutor(conn)
+    if isinstance(conn, psycopg.AsyncConnection):
+        raise _wrong_kind(conn, "an async connection", _ASYNC_HINT)
+    if _from_sqlalchemy(conn):
+        return _sqlalchemy_executor(conn)
+    raise _unsupported(conn)
+
+
+async def async_executor_for(conn: object) -> AsyncExecutor:
+    """Return an executor for the async ``conn`` after checking its transaction."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        _check_transaction(conn)
+        return AsyncPsycopgExecutor(conn)
+    if isinstance(conn, psycopg.Connection):
+        raise _wrong_kind(conn, "a synchronous connection", _SYNC_HINT)
+    if _from_sqlalchemy(conn):
+        return await _async_sqlalchemy_executor(conn)
+    raise _unsupported(conn)
+
+
+def _from_sqlalchemy(conn: object) -> bool:
+    """Whether ``conn``'s class (or a base of it) comes from SQLAlchemy, without importing it."""
+    return any(cls.__module__.partition(".")[0] == "sqlalchemy" for cls in type(conn).__mro__)
+
+
+def _sqlalchemy_executor(conn: object) -> Executor:
+    from sqlalchemy.engine import Connection  # noqa: PLC0415 - SQLAlchemy is optional
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
+    from sqlalchemy.orm import Session  # noqa: PLC0415
+
+    if isinstance(conn, AsyncSession | AsyncConnection):
+        raise _wrong_kind(conn, "an async connection", _ASYNC_HINT)
     if isinstance(conn, Session):
         conn = conn.connection()
-    if isinstance(conn, SAConnection):
-        driver = conn.connection.driver_connection
-        if not isinstance(driver, psycopg.Connection):
-            raise ConnectionNotSupported(
-                f"the SQLAlchemy connection uses the {conn.dialect.name}+{conn.dialect.driver} "
-                "driver; outbox needs psycopg 3 (a 'postgresql+psycopg://' URL)"
-            )
-        _check_transaction(driver)
-        return SQLAlchemyExecutor(conn)
-    raise ConnectionNotSupported(
-        f"conn must be a SQLAlchemy Session or Connection or a psycopg 3 Connection, "
-        f"got {type(conn).__module__}.{type(conn).__qualname__}"
+    if not isinstance(conn, Connection):
+        raise _unsupported(conn)
+    _check_driver(conn.connection.driver_connection, conn.dialect.name, conn.dialect.driver)
+    return SQLAlchemyExecutor(conn)
+
+
+async def _async_sqlalchemy_executor(conn: object) -> AsyncExecutor:
+    from sqlalchemy.engine import Connection  # noqa: PLC0415 - SQLAlchemy is optional
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
+    from sqlalchemy.orm import Session  # noqa: PLC0415
+
+    if isinstance(conn, Session | Connection):
+        raise _wrong_kind(conn, "a synchronous connection", _SYNC_HINT)
+    if isinstance(conn, AsyncSession):
+        conn = await conn.connection()
+    if not isinstance(conn, AsyncConnection):
+        raise _unsupported(conn)
+    raw = await conn.get_raw_connection()
+    _check_driver(raw.driver_connection, conn.dialect.name, conn.dialect.driver)
+    return AsyncSQLAlchemyExecutor(conn)
+
+
+def _check_driver(driver: object, dialect: str, name: str) -> None:
+    """Refuse a SQLAlchemy connection on another driver than psycopg 3."""
+    if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
+        raise ConnectionNotSupported(
+            f"the SQLAlchemy connection uses the {dialect}+{name} driver; outbox needs "
+            "psycopg 3 (a 'postgresql+psycopg://' URL, for sync and async engines alike)"
+        )
+    _check_transaction(driver)
+
+
+def _kind(conn: object) -> str:
+    return f"{type(conn).__module__}.{type(conn).__qualname__}"
+
+
+def _wrong_kind(conn: object, what: str, hint: str) -> ConnectionNotSupported:
+    return ConnectionNotSupported(f"conn is {what} ({_kind(conn)}); {hint}")
+
+
+def _unsupported(conn: object) -> ConnectionNotSupported:
+    return ConnectionNotSupported(
+        "conn must be a psycopg 3 Connection or a SQLAlchemy Session or Connection "
+        "(outbox.enqueue), or a psycopg 3 AsyncConnection or a SQLAlchemy AsyncSession "
+        f"or AsyncConnection (outbox.aio.enqueue), got {_kind(conn)}"
     )
 
 
-def _check_transaction(conn: psycopg.Connection[Any]) -> None:
+def _check_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
     status = conn.info.transaction_status
     if status == TransactionStatus.INERROR:
         raise TransactionAborted(

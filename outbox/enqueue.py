@@ -2,17 +2,31 @@
 
 The intent exists only if the caller's transaction commits: the library
 sends one INSERT on the caller's connection and never begins, commits or
-rolls back anything. A publisher delivers it after the commit.
+rolls back the caller's transaction. A publisher delivers it after the commit.
+A call that could otherwise end with part of its intents written runs in a
+savepoint of its own (see ``_needs_savepoint``).
+
+``outbox.aio`` offers the same calls for async connections. Validation,
+the statements and the resolution of idempotency keys are written once here;
+the two differ only in how a statement is executed (``_run``, ``_run_async``).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from outbox.connection import Executor, executor_for
+from outbox.connection import (
+    AsyncExecutor,
+    Executor,
+    Params,
+    Rows,
+    async_executor_for,
+    executor_for,
+)
 from outbox.errors import InvalidMessage, OutboxError
 from outbox.intent import DEFAULT_MAX_VALUE_BYTES, Headers, Intent, build_intent
 from outbox.queries import query
@@ -39,7 +53,9 @@ class Outbox:
     """Enqueue with settings of your own; the module-level functions use the defaults.
 
     ``max_value_bytes`` bounds the encoded value; a larger one raises
-    ``ValueTooLarge`` before anything is written.
+    ``ValueTooLarge`` before anything is written. ``enqueue_async`` and
+    ``enqueue_many_async`` do on an async connection what ``enqueue`` and
+    ``enqueue_many`` do on a synchronous one.
     """
 
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
@@ -59,7 +75,50 @@ class Outbox:
         With an ``idempotency_key`` already used by a committed (or concurrently
         committing) intent, nothing is written and that intent's id is returned.
         """
-        intent = build_intent(
+        intent = self._intent(topic, value, key, headers, idempotency_key)
+        return _run(executor_for(conn), [intent])[0]
+
+    def enqueue_many(self, conn: object, messages: Iterable[Message]) -> list[uuid.UUID]:
+        """Write many intents in one statement (per 5,000) and return their ids in order.
+
+        Every message is validated before the first row is written; the first
+        invalid one raises, naming its position. The call writes all its
+        intents or none (see ``_needs_savepoint``).
+        """
+        intents = self._intents(messages)
+        return _run(executor_for(conn), intents) if intents else []
+
+    async def enqueue_async(
+        self,
+        conn: object,
+        topic: str,
+        value: Any,
+        *,
+        key: bytes | str | None = None,
+        headers: Headers | None = None,
+        idempotency_key: str | None = None,
+    ) -> uuid.UUID:
+        """``enqueue`` on a psycopg ``AsyncConnection`` or SQLAlchemy ``AsyncSession`` /
+        ``AsyncConnection``."""
+        intent = self._intent(topic, value, key, headers, idempotency_key)
+        return (await _run_async(await async_executor_for(conn), [intent]))[0]
+
+    async def enqueue_many_async(
+        self, conn: object, messages: Iterable[Message]
+    ) -> list[uuid.UUID]:
+        """``enqueue_many`` on an async connection."""
+        intents = self._intents(messages)
+        return await _run_async(await async_executor_for(conn), intents) if intents else []
+
+    def _intent(
+        self,
+        topic: object,
+        value: object,
+        key: object,
+        headers: Headers | None,
+        idempotency_key: object,
+    ) -> Intent:
+        return build_intent(
             topic,
             value,
             key=key,
@@ -67,54 +126,93 @@ class Outbox:
             idempotency_key=idempotency_key,
             max_value_bytes=self.max_value_bytes,
         )
-        return _insert(executor_for(conn), [intent])[0]
 
-    def enqueue_many(self, conn: object, messages: Iterable[Message]) -> list[uuid.UUID]:
-        """Write many intents in one statement (per 5,000) and return their ids in order.
-
-        Every message is validated before the first row is written; the first
-        invalid one raises, naming its position.
-        """
+    def _intents(self, messages: Iterable[Message]) -> list[Intent]:
+        """Validate every message before anything is sent; name the first bad one's position."""
         intents: list[Intent] = []
         for index, m in enumerate(messages):
             try:
-                intents.append(
-                    build_intent(
-                        m.topic,
-                        m.value,
-                        key=m.key,
-                        headers=m.headers,
-                        idempotency_key=m.idempotency_key,
-                        max_value_bytes=self.max_value_bytes,
-                    )
-                )
+                intents.append(self._intent(m.topic, m.value, m.key, m.headers, m.idempotency_key))
             except InvalidMessage as exc:
                 raise type(exc)(f"message {index}: {exc}") from exc
-        if not intents:
-            return []
-        executor = executor_for(conn)
-        ids: list[uuid.UUID] = []
-        for start in range(0, len(intents), MAX_ROWS_PER_STATEMENT):
-            ids.extend(_insert(executor, intents[start : start + MAX_ROWS_PER_STATEMENT]))
-        return ids
+        return intents
 
 
-def _insert(executor: Executor, intents: Sequence[Intent]) -> list[uuid.UUID]:
-    """Insert intents; resolve idempotency conflicts to the ids already stored."""
+# The insert is written once, as steps: a generator that yields each statement
+# to run and is sent back its rows. ``_run`` drives the steps on a synchronous
+# connection and ``_run_async`` on an async one; nothing else differs.
+Statement = tuple[str, Params]
+Steps = Generator[Statement, Rows, list[uuid.UUID]]
+
+
+def _run(executor: Executor, intents: Sequence[Intent]) -> list[uuid.UUID]:
+    """Run the insert steps of ``intents``, in a savepoint when they need one."""
+    steps = _insert(intents)
+    with executor.savepoint() if _needs_savepoint(intents) else nullcontext():
+        statement = next(steps)
+        while True:
+            rows = executor.fetchall(*statement)
+            try:
+                statement = steps.send(rows)
+            except StopIteration as done:
+                ids: list[uuid.UUID] = done.value
+                return ids
+
+
+async def _run_async(executor: AsyncExecutor, intents: Sequence[Intent]) -> list[uuid.UUID]:
+    """``_run`` on an async connection; a cancelled call rolls back to its savepoint."""
+    steps = _insert(intents)
+    async with executor.savepoint() if _needs_savepoint(intents) else nullcontext():
+        statement = next(steps)
+        while True:
+            rows = await executor.fetchall(*statement)
+            try:
+                statement = steps.send(rows)
+            except StopIteration as done:
+                ids: list[uuid.UUID] = done.value
+                return ids
+
+
+def _needs_savepoint(intents: Sequence[Intent]) -> bool:
+    """Whether the call could end, failed or cancelled, with part of its intents written.
+
+    One INSERT writes all its rows or none. A call needs more than one when
+    it has more than 5,000 intents; and when an idempotency key is taken, a
+    second statement looks it up after the INSERT wrote the other rows. Such
+    a call runs in a savepoint: if it raises (or its task is cancelled) the
+    savepoint is rolled back to, so none of its rows remain.
+    """
+    return len(intents) > MAX_ROWS_PER_STATEMENT or (
+        len(intents) > 1 and any(i.idempotency_key is not None for i in intents)
+    )
+
+
+def _insert(intents: Sequence[Intent]) -> Steps:
+    """Insert intents, one statement per 5,000; return their ids in order."""
+    ids: list[uuid.UUID] = []
+    for start in range(0, len(intents), MAX_ROWS_PER_STATEMENT):
+        ids += yield from _insert_statement(intents[start : start + MAX_ROWS_PER_STATEMENT])
+    return ids
+
+
+def _insert_statement(intents: Sequence[Intent]) -> Steps:
+    """Insert intents in one statement; resolve idempotency conflicts to the ids already stored."""
     sql = query("insert_messages").format(rows=", ".join([_ROW] * len(intents)))
     params: list[Any] = []
     for i in intents:
         params.extend(
             (i.id, i.topic, i.key, i.value, i.header_names, i.header_values, i.idempotency_key)
         )
-    inserted = {row[0] for row in executor.fetchall(sql, tuple(params))}
+    inserted = {row[0] for row in (yield sql, tuple(params))}
     if len(inserted) == len(intents):
         return [i.id for i in intents]
     # Some keys were taken. This second statement runs with a fresh snapshot
     # (READ COMMITTED), so it also sees an intent that a concurrent transaction
     # committed while our INSERT waited on the unique index.
     missing = [i.idempotency_key for i in intents if i.id not in inserted]
-    existing = dict(executor.fetchall(query("ids_by_idempotency_key"), {"keys": missing}))
+    existing: dict[str, uuid.UUID] = dict(
+        (yield query("ids_by_idempotency_key"), {"keys": missing})
+    )
     ids = []
     for i in intents:
         if i.id in inserted:
@@ -144,7 +242,8 @@ def enqueue(
     """Write one publication intent in ``conn``'s open transaction; return its id.
 
     ``conn`` is a SQLAlchemy ``Session`` or ``Connection`` or a psycopg 3
-    ``Connection``. The intent is published only if that transaction commits.
+    ``Connection`` (for their async counterparts: ``outbox.aio.enqueue``). The
+    intent is published only if that transaction commits.
     ``value`` is bytes, str (UTF-8) or a JSON-serialisable object (sent as JSON
     with a ``content-type: application/json`` header); ``key`` is bytes or str.
     Bad input raises an ``outbox.InvalidMessage`` before anything is written.

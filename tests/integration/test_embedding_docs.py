@@ -8,6 +8,8 @@ tests/integration/test_alembic.py runs.
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import re
 import uuid
 from decimal import Decimal
@@ -17,7 +19,10 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+import outbox
 
 pytestmark = pytest.mark.integration
 
@@ -87,6 +92,65 @@ def test_the_enqueue_examples_commit_their_row_and_their_event(database_url: str
         assert topics == ["payments", "orders", "orders"]
         assert conn.execute("SELECT balance FROM accounts").fetchone() == (90,)
         assert conn.execute("SELECT count(*) FROM orders").fetchone() == (2,)
+
+
+def test_the_async_examples_commit_their_row_and_their_events(database_url: str) -> None:
+    """The psycopg and SQLAlchemy async examples, and the cancellation one, each commit."""
+    examples = [
+        code
+        for section, code in python_blocks()
+        if "await outbox.aio." in code and section != "FastAPI"
+    ]
+    assert len(examples) == 4
+    sync_engine = sa.create_engine(
+        database_url.replace("postgresql://", "postgresql+psycopg://", 1),
+        poolclass=sa.pool.NullPool,
+    )
+    try:
+        _Base.metadata.create_all(sync_engine)
+        with sync_engine.begin() as setup:
+            setup.exec_driver_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance int)")
+            setup.exec_driver_sql("INSERT INTO accounts VALUES ('acct-1', 100)")
+    finally:
+        sync_engine.dispose()
+
+    async def run_examples() -> None:
+        engine = create_async_engine(
+            database_url.replace("postgresql://", "postgresql+psycopg://", 1),
+            poolclass=sa.pool.NullPool,
+        )
+        try:
+            for code in examples:
+                names: dict[str, Any] = {
+                    "url": database_url,
+                    "engine": engine,
+                    "orders": Order.__table__,
+                    "Order": Order,
+                    "order_id": uuid.uuid4(),
+                    "total": Decimal("12.50"),
+                    "account": "acct-1",
+                    "events": [outbox.Message("orders", {"n": n}) for n in range(2)],
+                }
+                # The examples are written as the body of an async function.
+                compiled = compile(code, str(DOC), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+                await eval(compiled, names)  # noqa: S307 - the doc's own examples
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run_examples())
+    with psycopg.connect(database_url) as conn:
+        topics = [t for (t,) in conn.execute("SELECT topic FROM outbox.messages ORDER BY seq")]
+        assert topics == ["payments", "orders", "orders", "orders", "orders"]
+        assert conn.execute("SELECT balance FROM accounts").fetchone() == (90,)
+        assert conn.execute("SELECT count(*) FROM orders").fetchone() == (3,)
+
+
+def test_the_fastapi_excerpt_is_part_of_the_tested_example() -> None:
+    """The FastAPI block names its examples/ file and is a verbatim part of it."""
+    [code] = [code for section, code in python_blocks() if section == "FastAPI"]
+    first, _, rest = code.partition("\n")
+    assert first == "# examples/fastapi_service.py"
+    assert rest in (ROOT / "examples" / "fastapi_service.py").read_text()
 
 
 def test_the_alembic_excerpts_are_parts_of_the_tested_example_project() -> None:

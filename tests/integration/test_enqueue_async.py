@@ -1,0 +1,522 @@
+"""outbox.aio: enqueue in the caller's transaction on psycopg and SQLAlchemy async connections.
+
+Each behaviour is checked on the three async connection types, against the
+real PostgreSQL and, for delivery, the real Kafka. The savepoint that keeps
+a multi-statement ``enqueue_many`` whole is checked on the synchronous types too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    contextmanager,
+)
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+import outbox
+import outbox.aio
+from outbox.enqueue import MAX_ROWS_PER_STATEMENT
+from tests.support import publish_until_idle, read_topic, wait_until
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sa_url(database_url: str) -> str:
+    return database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def _committed(database_url: str) -> list[tuple[uuid.UUID, bytes]]:
+    """(id, value) of every committed message, in insertion order."""
+    with psycopg.connect(database_url) as conn:
+        return conn.execute("SELECT id, value FROM outbox.messages ORDER BY seq").fetchall()
+
+
+# --- the async connection types ------------------------------------------------------------
+
+AsyncOpener = Callable[..., AbstractAsyncContextManager[Any]]
+
+
+@asynccontextmanager
+async def _psycopg(url: str, **connect_args: Any) -> AsyncIterator[Any]:
+    # Closed without commit: what the test did not commit is rolled back.
+    conn = await psycopg.AsyncConnection.connect(url, **connect_args)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@asynccontextmanager
+async def _sa_connection(url: str, **connect_args: Any) -> AsyncIterator[Any]:
+    engine = create_async_engine(_sa_url(url), poolclass=sa.NullPool, connect_args=connect_args)
+    try:
+        async with engine.connect() as conn:
+            yield conn
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def _sa_session(url: str, **connect_args: Any) -> AsyncIterator[Any]:
+    engine = create_async_engine(_sa_url(url), poolclass=sa.NullPool, connect_args=connect_args)
+    try:
+        async with AsyncSession(engine) as session:
+            yield session
+    finally:
+        await engine.dispose()
+
+
+ASYNC_OPENERS = pytest.mark.parametrize(
+    "opener",
+    [_psycopg, _sa_connection, _sa_session],
+    ids=["psycopg-async", "sa-async-connection", "sa-async-session"],
+)
+
+
+async def _scalar(conn: Any, sql: str) -> Any:
+    """Run ``sql`` in ``conn``'s transaction and return its one value."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        row = await (await conn.execute(sql)).fetchone()
+        assert row is not None
+        return row[0]
+    return (await conn.execute(sa.text(sql))).scalar_one()
+
+
+def _backend_waiting_on_lock(database_url: str, application_name: str) -> bool:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+async def _until_waiting_on_lock(database_url: str, application_name: str) -> None:
+    """Wait (off the event loop, with a deadline) until that backend waits on a lock."""
+    await asyncio.to_thread(
+        wait_until,
+        lambda: _backend_waiting_on_lock(database_url, application_name),
+        timeout=10,
+        what=f"{application_name} to wait on a lock",
+    )
+
+
+@contextmanager
+def _key_held(database_url: str, topic: str, key: str) -> Iterator[None]:
+    """Another transaction holds ``key``'s lock: an enqueue of that key waits until it ends."""
+    with psycopg.connect(database_url) as blocker:
+        outbox.enqueue(blocker, topic, b"held", key=key)
+        try:
+            yield
+        finally:
+            blocker.rollback()
+
+
+def _bulk_then(key: str) -> list[outbox.Message]:
+    """More messages than one statement takes; only the last, in the second statement, is keyed."""
+    return [outbox.Message("t", b"bulk") for _ in range(MAX_ROWS_PER_STATEMENT)] + [
+        outbox.Message("t", b"last", key=key)
+    ]
+
+
+# --- commit, rollback -------------------------------------------------------------------------
+
+
+@ASYNC_OPENERS
+def test_committed_intents_are_delivered_to_kafka(
+    database_url: str, kafka_bootstrap: str, topic: str, opener: AsyncOpener
+) -> None:
+    """enqueue and enqueue_many in a committed transaction: a publisher delivers each once."""
+
+    async def test() -> tuple[uuid.UUID, list[uuid.UUID]]:
+        async with opener(database_url) as conn:
+            one = await outbox.aio.enqueue(conn, topic, {"n": 0}, key="k", headers={"h": "v"})
+            many = await outbox.aio.enqueue_many(
+                conn, [outbox.Message(topic, f"m{i}", key="k") for i in range(1, 4)]
+            )
+            await conn.commit()
+        return one, many
+
+    one, many = asyncio.run(test())
+    publish_until_idle(database_url, kafka_bootstrap)
+    records = read_topic(kafka_bootstrap, topic)
+    assert [(r.outbox_id, r.key, r.value) for r in records] == [
+        (one, b"k", b'{"n":0}'),
+        *[(mid, b"k", f"m{i}".encode()) for i, mid in enumerate(many, start=1)],
+    ]
+    assert records[0].header("h") == b"v"
+
+
+@ASYNC_OPENERS
+def test_rolled_back_intents_are_never_published(
+    database_url: str, kafka_bootstrap: str, topic: str, opener: AsyncOpener
+) -> None:
+    """A rolled-back transaction's intents are not stored and never reach Kafka."""
+
+    async def test() -> uuid.UUID:
+        async with opener(database_url) as conn:
+            await outbox.aio.enqueue(conn, topic, b"rolled back")
+            await outbox.aio.enqueue_many(conn, [outbox.Message(topic, b"rolled back too")])
+            await conn.rollback()
+            kept = await outbox.aio.enqueue(conn, topic, b"committed")
+            await conn.commit()
+        return kept
+
+    kept = asyncio.run(test())
+    assert _committed(database_url) == [(kept, b"committed")]
+    publish_until_idle(database_url, kafka_bootstrap)
+    assert [(r.outbox_id, r.value) for r in read_topic(kafka_bootstrap, topic)] == [
+        (kept, b"committed")
+    ]
+
+
+# --- idempotency keys -------------------------------------------------------------------------
+
+
+@ASYNC_OPENERS
+def test_idempotency_key_race_between_two_async_transactions(
+    database_url: str, opener: AsyncOpener
+) -> None:
+    """The second transaction waits on the unique index, then returns the first's id."""
+    name = f"racer-{uuid.uuid4().hex[:8]}"
+
+    async def test() -> tuple[uuid.UUID, uuid.UUID]:
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(opener(database_url))
+            second = await stack.enter_async_context(opener(database_url, application_name=name))
+            first_id = await outbox.aio.enqueue(first, "orders", b"first", idempotency_key="pay-9")
+            racer = asyncio.create_task(
+                outbox.aio.enqueue(second, "orders", b"second", idempotency_key="pay-9")
+            )
+            await _until_waiting_on_lock(database_url, name)
+            assert not racer.done()
+            await first.commit()
+            second_id = await asyncio.wait_for(racer, timeout=10)
+            await second.commit()
+        return first_id, second_id
+
+    first_id, second_id = asyncio.run(test())
+    assert second_id == first_id
+    assert _committed(database_url) == [(first_id, b"first")]
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@ASYNC_OPENERS
+def test_invalid_input_raises_before_sql_and_keeps_the_transaction_usable(
+    database_url: str, opener: AsyncOpener
+) -> None:
+    """Bad input raises an InvalidMessage; the same transaction goes on and commits."""
+
+    async def test() -> tuple[uuid.UUID, uuid.UUID]:
+        async with opener(database_url) as conn:
+            good = await outbox.aio.enqueue(conn, "orders", b"first")
+            bad_calls: list[Callable[[], Awaitable[object]]] = [
+                lambda: outbox.aio.enqueue(conn, "", b"x"),
+                lambda: outbox.aio.enqueue(conn, "bad topic!", b"x"),
+                lambda: outbox.aio.enqueue(conn, "orders", object()),
+                lambda: outbox.aio.enqueue(conn, "orders", b"x", headers={"h": 1}),  # type: ignore[arg-type]
+                lambda: outbox.aio.enqueue(conn, "orders", b"x", key=5),  # type: ignore[arg-type]
+                lambda: outbox.aio.enqueue(conn, "orders", b"x", idempotency_key=""),
+                lambda: outbox.Outbox(max_value_bytes=10).enqueue_async(conn, "orders", b"x" * 11),
+                lambda: outbox.aio.enqueue_many(
+                    conn, [outbox.Message("orders", b"ok"), outbox.Message("orders", {1j})]
+                ),
+            ]
+            for call in bad_calls:
+                with pytest.raises(outbox.InvalidMessage):
+                    await call()
+            assert await _scalar(conn, "SELECT count(*) FROM outbox.messages") == 1
+            second = await outbox.aio.enqueue(conn, "orders", b"second")
+            await conn.commit()
+        return good, second
+
+    good, second = asyncio.run(test())
+    assert _committed(database_url) == [(good, b"first"), (second, b"second")]
+
+
+def test_a_connection_of_the_other_kind_is_refused_with_the_api_to_use(
+    database_url: str,
+) -> None:
+    """Sync enqueue on an async connection points to outbox.aio, and the reverse."""
+
+    async def test() -> None:
+        for opener in (_psycopg, _sa_connection, _sa_session):
+            async with opener(database_url) as conn:
+                with pytest.raises(outbox.ConnectionNotSupported, match=r"outbox\.aio\.enqueue"):
+                    outbox.enqueue(conn, "orders", b"x")
+                with pytest.raises(outbox.ConnectionNotSupported, match=r"outbox\.aio\.enqueue"):
+                    outbox.enqueue_many(conn, [outbox.Message("orders", b"x")])
+        engine = sa.create_engine(_sa_url(database_url), poolclass=sa.NullPool)
+        try:
+            with psycopg.connect(database_url) as c, engine.connect() as sc, Session(engine) as s:
+                for conn in (c, sc, s):
+                    with pytest.raises(outbox.ConnectionNotSupported, match=r"outbox\.enqueue "):
+                        await outbox.aio.enqueue(conn, "orders", b"x")
+        finally:
+            engine.dispose()
+        with pytest.raises(outbox.ConnectionNotSupported, match="AsyncSession"):
+            await outbox.aio.enqueue(object(), "orders", b"x")
+
+    asyncio.run(test())
+    assert _committed(database_url) == []
+
+
+def test_an_async_connection_in_autocommit_or_a_failed_transaction_is_refused(
+    database_url: str,
+) -> None:
+    """The transaction checks of the synchronous enqueue apply to async connections too."""
+
+    async def test() -> None:
+        conn = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+        try:
+            with pytest.raises(outbox.NoOpenTransaction):
+                await outbox.aio.enqueue(conn, "orders", b"x")
+            async with conn.transaction():
+                await outbox.aio.enqueue(conn, "orders", b"in a transaction block")
+        finally:
+            await conn.close()
+        async with _psycopg(database_url) as conn:
+            with pytest.raises(psycopg.errors.UndefinedTable):
+                await conn.execute("SELECT * FROM no_such_table")
+            with pytest.raises(outbox.TransactionAborted):
+                await outbox.aio.enqueue(conn, "orders", b"x")
+
+    asyncio.run(test())
+    assert [value for _, value in _committed(database_url)] == [b"in a transaction block"]
+
+
+# --- failure and cancellation part-way --------------------------------------------------------
+
+
+@ASYNC_OPENERS
+def test_enqueue_many_failing_in_its_second_statement_leaves_none_of_its_rows(
+    database_url: str, opener: AsyncOpener
+) -> None:
+    """The savepoint is rolled back to: the transaction stays usable, without the call's rows."""
+
+    async def test() -> tuple[uuid.UUID, uuid.UUID]:
+        # The second INSERT waits for a held key and gives up after lock_timeout.
+        async with opener(database_url, options="-c lock_timeout=200") as conn:
+            before = await outbox.aio.enqueue(conn, "t", b"before")
+            with (
+                _key_held(database_url, "t", "hot"),
+                pytest.raises(Exception) as failed,  # noqa: PT011 - checked below
+            ):
+                await outbox.aio.enqueue_many(conn, _bulk_then("hot"))
+            assert _lock_timeout(failed.value)
+            assert await _scalar(conn, "SELECT count(*) FROM outbox.messages") == 1
+            after = await outbox.aio.enqueue(conn, "t", b"after")
+            await conn.commit()
+        return before, after
+
+    before, after = asyncio.run(test())
+    assert _committed(database_url) == [(before, b"before"), (after, b"after")]
+
+
+SYNC_OPENERS = pytest.mark.parametrize("opener", ["psycopg", "sa-connection", "sa-session"])
+
+
+@contextmanager
+def _sync_conn(kind: str, url: str, **connect_args: Any) -> Iterator[Any]:
+    if kind == "psycopg":
+        conn = psycopg.connect(url, **connect_args)
+        try:
+            yield conn
+        finally:
+            conn.close()
+        return
+    engine = sa.create_engine(_sa_url(url), poolclass=sa.NullPool, connect_args=connect_args)
+    opened: AbstractContextManager[Any] = (
+        engine.connect() if kind == "sa-connection" else Session(engine)
+    )
+    try:
+        with opened as conn:
+            yield conn
+    finally:
+        engine.dispose()
+
+
+@SYNC_OPENERS
+def test_sync_enqueue_many_failing_in_its_second_statement_leaves_none_of_its_rows(
+    database_url: str, opener: str
+) -> None:
+    """The synchronous enqueue_many uses the same savepoint, with the same outcome."""
+    with _sync_conn(opener, database_url, options="-c lock_timeout=200") as conn:
+        before = outbox.enqueue(conn, "t", b"before")
+        with (
+            _key_held(database_url, "t", "hot"),
+            pytest.raises(Exception) as failed,  # noqa: PT011 - checked below
+        ):
+            outbox.enqueue_many(conn, _bulk_then("hot"))
+        assert _lock_timeout(failed.value)
+        count = "SELECT count(*) FROM outbox.messages"
+        if isinstance(conn, psycopg.Connection):
+            assert conn.execute(count).fetchall() == [(1,)]
+        else:
+            assert conn.execute(sa.text(count)).scalar_one() == 1
+        after = outbox.enqueue(conn, "t", b"after")
+        conn.commit()
+    assert _committed(database_url) == [(before, b"before"), (after, b"after")]
+
+
+def _lock_timeout(exc: BaseException) -> bool:
+    """The error is PostgreSQL's lock_timeout (raised by psycopg, or wrapped by SQLAlchemy)."""
+    return isinstance(getattr(exc, "orig", exc), psycopg.errors.LockNotAvailable)
+
+
+@ASYNC_OPENERS
+def test_cancelled_enqueue_many_leaves_none_of_its_rows(
+    database_url: str, opener: AsyncOpener
+) -> None:
+    """Cancelled in its second statement, after the first wrote 5,000 rows: none of them remain.
+
+    psycopg: the savepoint is rolled back to and the transaction goes on.
+    SQLAlchemy: it invalidates the interrupted connection, so the whole
+    transaction is gone; after rollback() the session or connection works again.
+    """
+    name = f"cancelled-{uuid.uuid4().hex[:8]}"
+
+    async def test() -> list[uuid.UUID]:
+        async with opener(database_url, application_name=name) as conn:
+            before = await outbox.aio.enqueue(conn, "t", b"before")
+            with _key_held(database_url, "t", "hot"):
+                call = asyncio.create_task(outbox.aio.enqueue_many(conn, _bulk_then("hot")))
+                # Only the second statement has a held key: the first is done.
+                await _until_waiting_on_lock(database_url, name)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            if isinstance(conn, psycopg.AsyncConnection):
+                assert conn.info.transaction_status == TransactionStatus.INTRANS
+                assert await _scalar(conn, "SELECT count(*) FROM outbox.messages") == 1
+                kept = [before]
+            else:
+                with pytest.raises(sa.exc.PendingRollbackError):
+                    await _scalar(conn, "SELECT count(*) FROM outbox.messages")
+                await conn.rollback()
+                kept = []
+            after = await outbox.aio.enqueue(conn, "t", b"after")
+            await conn.commit()
+        return [*kept, after]
+
+    kept = asyncio.run(test())
+    assert [mid for mid, _ in _committed(database_url)] == kept
+
+
+def test_several_messages_with_idempotency_keys_run_in_a_savepoint(database_url: str) -> None:
+    """Their lookup is a second statement, so they get a savepoint: cancelled, psycopg goes on."""
+    name = f"cancelled-{uuid.uuid4().hex[:8]}"
+    messages = [
+        outbox.Message("t", b"a", idempotency_key="a"),
+        outbox.Message("t", b"b", key="hot", idempotency_key="b"),
+    ]
+
+    async def test() -> uuid.UUID:
+        async with _psycopg(database_url, application_name=name) as conn:
+            before = await outbox.aio.enqueue(conn, "t", b"before")
+            with _key_held(database_url, "t", "hot"):
+                call = asyncio.create_task(outbox.aio.enqueue_many(conn, messages))
+                await _until_waiting_on_lock(database_url, name)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            assert conn.info.transaction_status == TransactionStatus.INTRANS
+            await conn.commit()
+        return before
+
+    before = asyncio.run(test())
+    assert _committed(database_url) == [(before, b"before")]
+
+
+@ASYNC_OPENERS
+def test_enqueue_cancelled_while_its_statement_runs_fails_the_transaction(
+    database_url: str, opener: AsyncOpener
+) -> None:
+    """A single statement cancelled mid-way: the transaction must be rolled back, then works.
+
+    psycopg cancels the statement in the server (the transaction is failed and
+    enqueue says so); SQLAlchemy invalidates the connection.
+    """
+    name = f"cancelled-{uuid.uuid4().hex[:8]}"
+
+    async def test() -> uuid.UUID:
+        async with opener(database_url, application_name=name) as conn:
+            await outbox.aio.enqueue(conn, "t", b"before")
+            with _key_held(database_url, "t", "hot"):
+                call = asyncio.create_task(outbox.aio.enqueue(conn, "t", b"hot", key="hot"))
+                await _until_waiting_on_lock(database_url, name)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            if isinstance(conn, psycopg.AsyncConnection):
+                assert conn.info.transaction_status == TransactionStatus.INERROR
+                with pytest.raises(outbox.TransactionAborted):
+                    await outbox.aio.enqueue(conn, "t", b"refused")
+            else:
+                with pytest.raises(sa.exc.PendingRollbackError):
+                    await outbox.aio.enqueue(conn, "t", b"refused")
+            await conn.rollback()
+            after = await outbox.aio.enqueue(conn, "t", b"after")
+            await conn.commit()
+        return after
+
+    after = asyncio.run(test())
+    assert _committed(database_url) == [(after, b"after")]
+
+
+# --- SQLAlchemy stays optional ----------------------------------------------------------------
+
+
+def test_outbox_and_outbox_aio_work_without_sqlalchemy(database_url: str) -> None:
+    """With SQLAlchemy not importable, both APIs import and enqueue on psycopg connections."""
+    script = f"""
+import asyncio, sys
+sys.modules["sqlalchemy"] = None  # any `import sqlalchemy` now raises ImportError
+import psycopg
+import outbox, outbox.aio
+
+with psycopg.connect({database_url!r}) as conn:
+    outbox.enqueue(conn, "t", b"sync")
+
+async def main():
+    async with await psycopg.AsyncConnection.connect({database_url!r}) as conn:
+        await outbox.aio.enqueue_many(conn, [outbox.Message("t", b"async")])
+
+asyncio.run(main())
+try:
+    outbox.enqueue(object(), "t", b"x")
+except outbox.ConnectionNotSupported:
+    print("refused")
+print(sorted(m for m, module in sys.modules.items() if m.startswith("sqlalchemy") and module))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["refused", "[]"]
+    assert [value for _, value in _committed(database_url)] == [b"sync", b"async"]
