@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -72,6 +73,26 @@ def delivery_flags(delivery: str) -> tuple[str, ...]:
     if delivery == "transactional":
         return ("--delivery", delivery, "--absence-grace", f"{LONG_ABSENCE_GRACE:g}")
     return ("--delivery", delivery)
+
+
+def assert_excerpt_of_file(code: str, base: Path) -> None:
+    """A doc's code block that starts ``# <file>`` (relative to ``base``) shows parts of
+    that file verbatim, each part between lines ``...``."""
+    first, _, rest = code.partition("\n")
+    assert first.startswith("# "), f"an excerpt must start with '# <file>': {first!r}"
+    source = (base / first[2:]).read_text(encoding="utf-8")
+    for part in re.split(r"^\.\.\.\n", rest, flags=re.M):
+        assert part.strip() in source, f"not in {first[2:]}:\n{part}"
+
+
+def waiting_on_lock(database_url: str, application_name: str) -> bool:
+    """Whether the session with ``application_name`` is waiting for a lock now."""
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+    return row is not None and row[0] == "Lock"
 
 
 def wait_until(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import re
 import uuid
 from decimal import Decimal
 from pathlib import Path
@@ -23,6 +22,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import outbox
+from tests.support import assert_excerpt_of_file
 
 pytestmark = pytest.mark.integration
 
@@ -61,29 +61,41 @@ class Order(_Base):
     total: Mapped[Decimal]
 
 
-def test_the_enqueue_examples_commit_their_row_and_their_event(database_url: str) -> None:
-    """The psycopg, SQLAlchemy Connection and Session examples each commit a row and an event."""
-    examples = [code for _, code in python_blocks() if "outbox.enqueue(" in code]
-    assert len(examples) == 3
+def _create_tables(database_url: str) -> sa.Engine:
+    """The tables the examples write to (``orders``, ``accounts`` with one account), and
+    a synchronous engine on the database."""
     engine = sa.create_engine(
         database_url.replace("postgresql://", "postgresql+psycopg://", 1),
         poolclass=sa.pool.NullPool,
     )
+    _Base.metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance int)")
+        conn.exec_driver_sql("INSERT INTO accounts VALUES ('acct-1', 100)")
+    return engine
+
+
+def _names(database_url: str, engine: object) -> dict[str, Any]:
+    """The names an example assumes: the database, an engine, an order and an account."""
+    return {
+        "url": database_url,
+        "engine": engine,
+        "orders": Order.__table__,
+        "Order": Order,
+        "order_id": uuid.uuid4(),
+        "total": Decimal("12.50"),
+        "account": "acct-1",
+    }
+
+
+def test_the_enqueue_examples_commit_their_row_and_their_event(database_url: str) -> None:
+    """The psycopg, SQLAlchemy Connection and Session examples each commit a row and an event."""
+    examples = [code for _, code in python_blocks() if "outbox.enqueue(" in code]
+    assert len(examples) == 3
+    engine = _create_tables(database_url)
     try:
-        _Base.metadata.create_all(engine)
-        with engine.begin() as conn:
-            conn.exec_driver_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance int)")
-            conn.exec_driver_sql("INSERT INTO accounts VALUES ('acct-1', 100)")
         for code in examples:
-            names: dict[str, Any] = {
-                "url": database_url,
-                "engine": engine,
-                "orders": Order.__table__,
-                "Order": Order,
-                "order_id": uuid.uuid4(),
-                "total": Decimal("12.50"),
-                "account": "acct-1",
-            }
+            names = _names(database_url, engine)
             exec(compile(code, str(DOC), "exec"), names)  # noqa: S102 - the doc's own examples
     finally:
         engine.dispose()
@@ -102,17 +114,7 @@ def test_the_async_examples_commit_their_row_and_their_events(database_url: str)
         if "await outbox.aio." in code and section != "FastAPI"
     ]
     assert len(examples) == 4
-    sync_engine = sa.create_engine(
-        database_url.replace("postgresql://", "postgresql+psycopg://", 1),
-        poolclass=sa.pool.NullPool,
-    )
-    try:
-        _Base.metadata.create_all(sync_engine)
-        with sync_engine.begin() as setup:
-            setup.exec_driver_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance int)")
-            setup.exec_driver_sql("INSERT INTO accounts VALUES ('acct-1', 100)")
-    finally:
-        sync_engine.dispose()
+    _create_tables(database_url).dispose()
 
     async def run_examples() -> None:
         engine = create_async_engine(
@@ -121,16 +123,8 @@ def test_the_async_examples_commit_their_row_and_their_events(database_url: str)
         )
         try:
             for code in examples:
-                names: dict[str, Any] = {
-                    "url": database_url,
-                    "engine": engine,
-                    "orders": Order.__table__,
-                    "Order": Order,
-                    "order_id": uuid.uuid4(),
-                    "total": Decimal("12.50"),
-                    "account": "acct-1",
-                    "events": [outbox.Message("orders", {"n": n}) for n in range(2)],
-                }
+                names = _names(database_url, engine)
+                names["events"] = [outbox.Message("orders", {"n": n}) for n in range(2)]
                 # The examples are written as the body of an async function.
                 compiled = compile(code, str(DOC), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
                 await eval(compiled, names)  # noqa: S307 - the doc's own examples
@@ -158,8 +152,4 @@ def test_the_alembic_excerpts_are_parts_of_the_tested_example_project() -> None:
     excerpts = [code for section, code in python_blocks() if section == "Alembic"]
     assert len(excerpts) >= 2
     for code in excerpts:
-        first, _, rest = code.partition("\n")
-        assert first.startswith("# "), f"an Alembic excerpt must start with '# <file>': {first!r}"
-        source = (ROOT / "examples" / "migrations" / first[2:]).read_text()
-        for part in re.split(r"^\.\.\.\n", rest, flags=re.M):
-            assert part.strip() in source, f"not in {first[2:]}:\n{part}"
+        assert_excerpt_of_file(code, ROOT / "examples" / "migrations")

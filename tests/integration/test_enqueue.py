@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 import outbox
-from tests.support import wait_until
+from tests.support import wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
 
@@ -178,15 +178,6 @@ def test_repeated_idempotency_key_returns_first_id(database_url: str) -> None:
     assert [row[3] for row in _rows(database_url)] == [b"a", b"c"]
 
 
-def _backend_waiting_on_lock(database_url: str, application_name: str) -> bool:
-    with psycopg.connect(database_url) as conn:
-        row = conn.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
-            (application_name,),
-        ).fetchone()
-    return row is not None and row[0] == "Lock"
-
-
 @pytest.mark.parametrize("first_commits", [True, False], ids=["first-commits", "first-rolls-back"])
 def test_idempotency_key_race_between_two_transactions(
     database_url: str, first_commits: bool
@@ -203,7 +194,7 @@ def test_idempotency_key_race_between_two_transactions(
                 outbox.enqueue, second_conn, "orders", b"second", idempotency_key="pay-9"
             )
             wait_until(
-                lambda: _backend_waiting_on_lock(database_url, name),
+                lambda: waiting_on_lock(database_url, name),
                 timeout=10,
                 what="the second enqueue to block on the first",
             )

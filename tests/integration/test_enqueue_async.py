@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 import outbox
 import outbox.aio
 from outbox.enqueue import MAX_ROWS_PER_STATEMENT
-from tests.support import publish_until_idle, read_topic, wait_until
+from tests.support import publish_until_idle, read_topic, wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
 
@@ -100,20 +100,11 @@ async def _scalar(conn: Any, sql: str) -> Any:
     return (await conn.execute(sa.text(sql))).scalar_one()
 
 
-def _backend_waiting_on_lock(database_url: str, application_name: str) -> bool:
-    with psycopg.connect(database_url) as conn:
-        row = conn.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
-            (application_name,),
-        ).fetchone()
-    return row is not None and row[0] == "Lock"
-
-
 async def _until_waiting_on_lock(database_url: str, application_name: str) -> None:
     """Wait (off the event loop, with a deadline) until that backend waits on a lock."""
     await asyncio.to_thread(
         wait_until,
-        lambda: _backend_waiting_on_lock(database_url, application_name),
+        lambda: waiting_on_lock(database_url, application_name),
         timeout=10,
         what=f"{application_name} to wait on a lock",
     )

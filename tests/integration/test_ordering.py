@@ -28,6 +28,7 @@ from tests.support import (
     reads_committed,
     run_outbox_cli,
     wait_until,
+    waiting_on_lock,
 )
 
 pytestmark = pytest.mark.integration
@@ -43,15 +44,6 @@ def _values_by_key(
     for r in sorted(records, key=lambda r: (r.partition, r.offset)):
         by_key.setdefault(r.key, []).append(r.value)
     return by_key
-
-
-def _waiting_on_lock(database_url: str, application_name: str) -> bool:
-    with psycopg.connect(database_url) as conn:
-        row = conn.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE application_name = %s",
-            (application_name,),
-        ).fetchone()
-    return row is not None and row[0] == "Lock"
 
 
 def _outbox(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -77,7 +69,7 @@ def test_same_key_reaches_kafka_in_commit_order_not_allocation_order(
         with ThreadPoolExecutor(1) as pool:
             late = pool.submit(outbox.enqueue, second, topic, b"second", key="account-1")
             wait_until(
-                lambda: _waiting_on_lock(database_url, name),
+                lambda: waiting_on_lock(database_url, name),
                 timeout=10,
                 what="the second transaction to wait for the first",
             )

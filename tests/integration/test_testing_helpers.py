@@ -16,7 +16,7 @@ import pytest
 import outbox
 from outbox.testing import EnqueueRecorder
 from publisher.testing import publish_until_idle
-from tests.support import read_topic
+from tests.support import assert_excerpt_of_file, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -82,8 +82,4 @@ def test_the_docs_show_this_file_and_the_conftest_verbatim() -> None:
     excerpts = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(excerpts) == 2
     for code in excerpts:
-        first, _, rest = code.partition("\n")
-        assert first.startswith("# "), f"an excerpt must start with '# <file>': {first!r}"
-        source = (ROOT / first[2:]).read_text(encoding="utf-8")
-        for part in re.split(r"^\.\.\.\n", rest, flags=re.M):
-            assert part.strip() in source, f"not in {first[2:]}:\n{part}"
+        assert_excerpt_of_file(code, ROOT)
