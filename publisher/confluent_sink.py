@@ -417,8 +417,12 @@ class ConfluentSink:
             timeout = (self._config.delivery_timeout_ms + self._config.request_timeout_ms) / 1000
             try:
                 left = producer.flush(timeout)
-            except KafkaException as exc:
-                log.warning("producer flush ended early: %s", exc)
+            except (KafkaException, SystemError) as exc:
+                # A fatal error (the session fenced) may surface from the delivery
+                # callbacks as SystemError, its KafkaException as the cause:
+                # confluent-kafka calls a callback with that exception pending.
+                # Records whose report never came are uncertain, as below.
+                log.warning("producer flush ended early: %s", exc.__cause__ or exc)
             else:
                 if left:
                     log.warning("%d records still unanswered after %gs", left, timeout)
