@@ -14,10 +14,11 @@ with SIGSTOP at a random moment, for a random time, and woken with SIGCONT:
   batch, and it wakes as a zombie holding records nobody wants any more.
 
 A few more freezes (``--cut-freezes``) are placed with ``OUTBOX_PAUSE_AT``
-(publisher/faults.py): a publisher is stopped (SIGTERM) and replaced by one
-that freezes itself at a cut of one of its first batches (after the records
-were handed to the producer, after the acknowledgement, after the
-transaction's commit, ...), so those phases are hit for certain.
+and ``OUTBOX_ENABLE_FAULTS=1`` (publisher/faults.py): a publisher is stopped
+(SIGTERM) and replaced by one that freezes itself at a cut of one of its
+first batches (after the records were handed to the producer, after the
+acknowledgement, after the transaction's commit, ...), so those phases are
+hit for certain.
 
 Once every freeze is done and every message delivered, the publishers are
 stopped and the topic is read back. It passes when a read_committed consumer
@@ -74,6 +75,7 @@ from tests.support import (
     count_by_state,
     create_topic,
     fast_publisher_flags,
+    fault_env,
     is_frozen,
     read_topic,
     start_logged_publisher,
@@ -554,7 +556,7 @@ class Run:
         old = self.slots[freeze.slot]
         self.retired.append(old)
         stop_and_wait(old, signal.SIGTERM, timeout=60)
-        process = self.start_publisher({"OUTBOX_PAUSE_AT": f"{freeze.cut}:{freeze.cut_batch}"})
+        process = self.start_publisher(fault_env(pause_at=f"{freeze.cut}:{freeze.cut_batch}"))
         self.slots[freeze.slot] = process
         self.begin(freeze)  # work for it to reach its cut with
         try:

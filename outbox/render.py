@@ -4,6 +4,13 @@ The JSON shapes are part of the interface (docs/operations.md lists them):
 keys are only ever added, never renamed or removed. Times are ISO 8601 with
 their offset, ids are strings, keys are text (``0x``-prefixed hex when they
 are not UTF-8), and durations are seconds.
+
+Whatever the tables show that came from the outbox tables (topics, keys,
+header names, errors, reasons, who decided) passes through ``printable``
+first: a message's key is chosen by whoever enqueues, and a key holding
+an escape sequence must not clear or rewrite the operator's terminal. JSON
+needs no such care: ``json.dumps`` escapes every control character (and
+everything beyond ASCII) itself.
 """
 
 from __future__ import annotations
@@ -18,6 +25,44 @@ from typing import Any
 from outbox.inspection import Listing, Timeline
 from outbox.retention import PurgeReport
 from outbox.status import HeldKey, StatusLine
+
+#: What ``printable`` escapes, and how: the backslash (so that an escape is never ambiguous),
+#: C0 controls (newline, tab, ESC, BEL, ...), DEL, C1 controls (which some terminals read as
+#: CSI and other introducers), line and paragraph separators, and the bidirectional
+#: formatting characters that reorder what the eye reads.
+_ESCAPES: dict[int, str] = {
+    ord("\\"): "\\\\",
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\\t",
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (9, 10, 13)},
+    **{
+        c: f"\\u{c:04x}"
+        for c in (
+            0x061C,
+            0x200E,
+            0x200F,
+            0x2028,
+            0x2029,
+            *range(0x202A, 0x202F),
+            *range(0x2066, 0x206A),
+        )
+    },
+}
+
+
+def printable(text: object) -> str:
+    """``text`` (``str()`` of it) safe to print on a terminal: control characters escaped.
+
+    Newline, carriage return and tab become ``\\n``, ``\\r``, ``\\t``; other
+    C0 controls, DEL and C1 controls ``\\xNN``; line and paragraph separators
+    and bidirectional formatting characters ``\\uNNNN``; a backslash doubles.
+    Everything else, letters of any script included, is left as it is. ``None``
+    shows as ``-``.
+    """
+    if text is None:
+        return "-"
+    return str(text).translate(_ESCAPES)
 
 
 def key_text(key: bytes | None) -> str | None:
@@ -124,14 +169,14 @@ def _status_rows(lines: list[StatusLine], *, with_topic: bool) -> list[list[str]
     rows = [["TOPIC", *head] if with_topic else head]
     for line in lines:
         cells = [
-            line.state,
+            printable(line.state),
             str(line.messages),
             age(line.oldest_age_seconds),
             str(line.retrying),
             str(line.held_keys),
-            ("NEEDS ACTION: " if not line.healthy else "") + line.next_action,
+            ("NEEDS ACTION: " if not line.healthy else "") + printable(line.next_action),
         ]
-        rows.append([line.topic or "", *cells] if with_topic else cells)
+        rows.append([printable(line.topic or ""), *cells] if with_topic else cells)
     return rows
 
 
@@ -145,7 +190,7 @@ def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
     out = [
         f"outbox: {'healthy' if healthy else 'ACTION NEEDED'}; {live} publisher(s) running",
         "",
-        "ALL TOPICS" if topic is None else f"TOPIC {topic} (states with messages)",
+        "ALL TOPICS" if topic is None else f"TOPIC {printable(topic)} (states with messages)",
     ]
     if summary:
         out.append(table(_status_rows(summary, with_topic=False), right=frozenset({1, 3, 4})))
@@ -159,7 +204,7 @@ def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
         ]
     in_flight = next((x for x in summary if x.state == "in_flight" and x.messages), None)
     if in_flight is not None:
-        owners = ", ".join(str(o) for o in in_flight.lease_owners)
+        owners = ", ".join(printable(o) for o in in_flight.lease_owners)
         out += [
             "",
             f"IN FLIGHT: {in_flight.messages} message(s) leased by {owners}; "
@@ -169,10 +214,12 @@ def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
     if held:
         out += ["", f"HELD KEYS ({len(held)}): later messages of these keys wait"]
         for h in held:
-            out.append(
-                f"  {h.topic} / {key_text(h.key)}: held by {h.held_by} ({h.state}), "
-                f"{h.waiting} waiting\n    why: {h.reason}\n    next: {h.next_action}"
-            )
+            out += [
+                f"  {printable(h.topic)} / {printable(key_text(h.key))}: held by "
+                f"{printable(h.held_by)} ({printable(h.state)}), {h.waiting} waiting",
+                f"    why: {printable(h.reason)}",
+                f"    next: {printable(h.next_action)}",
+            ]
     return "\n".join(out)
 
 
@@ -205,40 +252,47 @@ def _detail(detail: Mapping[str, Any]) -> str:
         if isinstance(v, datetime):
             shown = _time(v)
         elif isinstance(v, Mapping):
-            shown = json.dumps(_plain(v), sort_keys=True)
+            shown = json.dumps(_plain(v), sort_keys=True)  # escapes by itself
         else:
-            shown = str(v)
-        parts.append(f"{k}={shown}")
+            shown = printable(v)
+        parts.append(f"{printable(k)}={shown}")
     return " ".join(parts)
 
 
 def timeline_text(t: Timeline) -> str:
     """``outbox inspect``: the message, then its timeline, then the next action."""
-    out = [f"message {t.message_id}: {t.state}"]
+    out = [f"message {t.message_id}: {printable(t.state)}"]
     m = t.message
     if m is not None:
         fields = [
-            ("topic", m["topic"]),
-            ("key", key_text(m["key"])),
+            ("topic", printable(m["topic"])),
+            ("key", _optional(key_text(m["key"]))),
             ("value", f"{m['value_bytes']} bytes"),
-            ("headers", ", ".join(m["header_names"]) or "-"),
-            ("idempotency key", m["idempotency_key"]),
+            ("headers", ", ".join(printable(h) for h in m["header_names"]) or "-"),
+            ("idempotency key", _optional(m["idempotency_key"])),
             ("lane / seq", f"{m['lane']} / {m['seq']}"),
             ("attempts", f"{m['attempts']} ({m['failures']} failed since last decision)"),
             ("fence", m["fence"]),
             ("location", f"partition {m['kafka_partition']} offset {m['kafka_offset']}"),
             ("available at", _time(m["available_at"])),
-            ("lease", f"{m['lease_owner']} until {_time(m['lease_expires_at'])}"),
+            ("lease", f"{printable(m['lease_owner'])} until {_time(m['lease_expires_at'])}"),
             ("escalated at", _time(m["escalated_at"]) if m["escalated_at"] else None),
-            ("last error", m["last_error"]),
+            ("last error", _optional(m["last_error"])),
         ]
         out += [f"  {name + ':':<17}{value}" for name, value in fields if _shown(name, value, m)]
     else:
         out.append("  (the message row was purged by retention; its evidence is below)")
     out += ["", "TIMELINE"]
-    out += [f"  {_time(e.at)}  {e.event}  {_detail(e.detail)}".rstrip() for e in t.events]
-    out += ["", f"next: {t.next_action}"]
+    out += [
+        f"  {_time(e.at)}  {printable(e.event)}  {_detail(e.detail)}".rstrip() for e in t.events
+    ]
+    out += ["", f"next: {printable(t.next_action)}"]
     return "\n".join(out)
+
+
+def _optional(value: object) -> str | None:
+    """``printable`` of a field the timeline leaves out when it is ``None``."""
+    return None if value is None else printable(value)
 
 
 def _shown(name: str, value: Any, m: Mapping[str, Any]) -> bool:
@@ -268,8 +322,8 @@ def listing_text(listing: Listing, *, now: datetime) -> str:
         rows.append(
             [
                 str(m["id"]),
-                m["topic"],
-                key_text(m["key"]) or "-",
+                printable(m["topic"]),
+                printable(key_text(m["key"])) or "-",
                 age((now - m["created_at"]).total_seconds()),
                 str(m["attempts"]),
                 _list_detail(m),
@@ -283,15 +337,16 @@ def listing_text(listing: Listing, *, now: datetime) -> str:
 
 def _list_detail(m: Mapping[str, Any]) -> str:
     state = m["state"]
+    error = printable(m["last_error"] or "")
     if state == "in_flight":
-        return f"leased by {m['lease_owner']} until {_time(m['lease_expires_at'])}"
+        return f"leased by {printable(m['lease_owner'])} until {_time(m['lease_expires_at'])}"
     if state == "delivered":
         return f"partition {m['kafka_partition']} offset {m['kafka_offset']}"
     if state == "pending" and m["failures"]:
-        return f"retry at {_time(m['available_at'])}: {m['last_error'] or ''}"
+        return f"retry at {_time(m['available_at'])}: {error}"
     if state == "uncertain" and m["escalated_at"] is not None:
-        return f"ESCALATED: {m['last_error'] or ''}"
-    return m["last_error"] or ""
+        return f"ESCALATED: {error}"
+    return error
 
 
 # --- purge -------------------------------------------------------------------

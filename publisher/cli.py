@@ -106,14 +106,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return reconcile_main(argv[1:])
     try:
         config = config_from_args(argv)
-        faults = Faults.from_env()
-    except (ConfigError, FaultSpecError) as exc:
+    except ConfigError as exc:
         print(f"outbox-publisher: {exc}", file=sys.stderr)
         return 2
     publisher_id = uuid.uuid4()
     configure_logging(
         config.log_level, config.log_format, fields={"publisher_id": str(publisher_id)}
     )
+    try:
+        # After the logging is set up: ignored switches are reported as a warning.
+        faults = Faults.from_env()
+    except FaultSpecError as exc:
+        print(f"outbox-publisher: {exc}", file=sys.stderr)
+        return 2
     # Every counter would also get a <name>_created series; they only add noise.
     disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
     try:

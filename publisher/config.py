@@ -106,7 +106,8 @@ class PublisherConfig:
     transaction_records: int = 2_000
     delivery_timeout_ms: int = 30_000
     request_timeout_ms: int = 10_000
-    #: Address of the metrics and health endpoints.
+    #: Address of the metrics and health endpoints: every interface by default, as the
+    #: container image needs; on a shared host 127.0.0.1 (docs/security.md).
     http_host: str = "0.0.0.0"  # noqa: S104 - a sidecar is scraped from outside its container
     #: Port of the metrics and health endpoints; 0 serves none.
     http_port: int = 9187
@@ -441,7 +442,8 @@ SETTINGS: tuple[Setting, ...] = (
             normalise="lower", metavar="MODE"),
     Setting("transaction_records", int, "transactional delivery under backlog: full batches "
             "join one transaction up to this many records", "Kafka producer", metavar="N"),
-    Setting("http_host", str, "address of /metrics, /healthz and /readyz", "metrics and health "
+    Setting("http_host", str, "address of /metrics, /healthz and /readyz (0.0.0.0: every "
+            "interface, as a container needs; 127.0.0.1: this host only)", "metrics and health "
             "over HTTP", metavar="HOST"),
     Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",
             "metrics and health over HTTP", metavar="PORT"),

@@ -1,24 +1,48 @@
 """The publisher's HTTP endpoints: ``/metrics``, ``/healthz`` and ``/readyz``.
 
-A small ``ThreadingHTTPServer`` in a daemon thread, so that a slow scrape
-never holds up the publisher loop and a stuck loop never holds up a probe:
+Served beside the loop, so that a slow scrape never holds up the publisher
+and a stuck loop never holds up a probe:
 
 * ``/metrics``: every metric of the publisher's own registry, in the
   Prometheus text format;
 * ``/healthz``: 200 while the process and its loop are alive, else 503;
 * ``/readyz``: 200 when the publisher is registered, its last database and
-  Kafka contacts succeeded and its loop moves, else 503; the JSON body names
-  each check and why it fails.
+  Kafka contacts succeeded and its loop moves, else 503; the JSON body gives
+  each check a short code (``publisher.health.CODES``), never an error's text.
 
-Any other path is 404. Only GET and HEAD are served.
+Any other path is 404. Only GET and HEAD are served, one request per
+connection (HTTP/1.0), with no authentication: the answers hold nothing but
+codes and counts (docs/security.md).
+
+The endpoints must answer a probe even while clients misbehave, so a request
+costs a thread only once it has fully arrived:
+
+* one thread accepts connections and reads their requests, without blocking
+  on any of them; a connection whose request has not fully arrived within
+  ``REQUEST_TIMEOUT`` seconds of its accept, or is larger than
+  ``MAX_REQUEST_BYTES``, is closed;
+* at most ``MAX_CONNECTIONS`` connections wait for their request at once; one
+  more closes the oldest waiting connection, so idle connections cannot lock
+  a probe out;
+* ``WORKERS`` threads answer the requests that arrived, in order; a response
+  the client does not read within ``REQUEST_TIMEOUT`` seconds is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -29,54 +53,227 @@ from publisher.service import BackgroundService
 log = logging.getLogger(__name__)
 
 
-#: How long one turn waits for a request: the longest ``stop()`` waits for an idle server.
+#: How long one turn waits for sockets to be ready: the longest ``stop()`` waits for an idle
+#: server.
 POLL_SECONDS = 0.2
+#: Threads that answer requests (each answer takes milliseconds: it contacts nothing).
+WORKERS = 4
+#: Connections that may wait for their request to arrive; one more closes the oldest.
+MAX_CONNECTIONS = 256
+#: Seconds a client has to send its request, and then to read the answer.
+REQUEST_TIMEOUT = 5.0
+#: The largest request (request line and headers) read; a larger one is closed.
+MAX_REQUEST_BYTES = 8192
+#: Requests that arrived and wait for a worker; more are answered 503 at once.
+QUEUE_SIZE = 64
+
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n"
+)
+
+
+@dataclass
+class _Waiting:
+    """A connection whose request is still arriving."""
+
+    sock: socket.socket
+    address: tuple[Any, ...]
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
 
 
 class EndpointServer(BackgroundService):
-    """Serves the endpoints on ``host:port`` from a daemon thread until ``stop()``.
+    """Serves the endpoints on ``host:port`` until ``stop()``: one accepting thread, workers.
 
     The socket is bound in the constructor, so an address in use fails the
     start at once (``OSError``) instead of later in a thread nobody watches.
-    ``port`` 0 binds a free port; ``address`` says which. A turn serves one
-    request, or none within ``POLL_SECONDS``; each request is answered in a
-    thread of its own, so a slow client holds up nothing.
+    ``port`` 0 binds a free port; ``address`` says which. A turn (``run_once``)
+    accepts and reads what is ready within ``POLL_SECONDS``; a request that
+    has fully arrived goes to a worker, or, before ``start()``, is answered
+    in the turn itself.
     """
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Health) -> None:
-        # No wait between turns: each turn waits on the socket instead.
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Health,
+        *,
+        workers: int = WORKERS,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
+        # No wait between turns: each turn waits on the sockets instead.
         super().__init__(name="outbox-http", interval=0.0, join_timeout=5)
-        handler = _handler(registry, health)
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        self._server.timeout = POLL_SECONDS
+        self._handler = _handler(registry, health, request_timeout)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=1024)
+        self._listener.setblocking(False)
+        self._workers_wanted = workers
+        self._max_connections = max_connections
+        self._request_timeout = request_timeout
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._waiting: OrderedDict[socket.socket, _Waiting] = OrderedDict()
+        self._requests: queue.Queue[tuple[socket.socket, tuple[Any, ...], bytes] | None] = (
+            queue.Queue(QUEUE_SIZE)
+        )
+        self._workers: list[threading.Thread] = []
+        self._closed = False
 
     @property
     def address(self) -> tuple[str, int]:
         """The host and port actually bound."""
-        host, port = self._server.server_address[:2]
+        host, port = self._listener.getsockname()[:2]
         return str(host), int(port)
 
     def start(self) -> None:
-        """Serve requests in a daemon thread."""
+        """Accept in a daemon thread, answer in ``workers`` more."""
         if not self.running and not self.stopping:
+            for i in range(self._workers_wanted):
+                worker = threading.Thread(
+                    target=self._work, name=f"outbox-http-worker-{i}", daemon=True
+                )
+                worker.start()
+                self._workers.append(worker)
             super().start()
             host, port = self.address
             log.info("serving /metrics, /healthz and /readyz on http://%s:%d", host, port)
 
     def run_once(self) -> None:
-        """Serve one request, or return after ``POLL_SECONDS`` without one."""
-        self._server.handle_request()
+        """Accept and read what is ready within ``POLL_SECONDS``; pass on complete requests."""
+        for key, _ in self._selector.select(POLL_SECONDS):
+            if key.fileobj is self._listener:
+                self._accept()
+            else:
+                assert isinstance(key.fileobj, socket.socket)
+                self._read(key.fileobj)
+        now = time.monotonic()
+        while self._waiting:
+            oldest = next(iter(self._waiting.values()))
+            if oldest.deadline > now:
+                break
+            self._drop(oldest.sock)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop serving and close the socket; returns once the serving thread has ended."""
+        """Stop serving and close every socket; returns once the threads have ended."""
         super().stop(timeout)
-        self._server.server_close()
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._requests.put(None)
+        for worker in self._workers:
+            worker.join(self._request_timeout + 1)
+        for sock in list(self._waiting):
+            self._drop(sock)
+        self._selector.close()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, say: try again next turn
+                log.warning("HTTP endpoints: cannot accept a connection: %s", exc)
+                return
+            sock.setblocking(False)
+            if len(self._waiting) >= self._max_connections:
+                self._drop(next(iter(self._waiting)))
+            self._waiting[sock] = _Waiting(sock, address, time.monotonic() + self._request_timeout)
+            self._selector.register(sock, selectors.EVENT_READ)
+            self._read(sock)  # a request sent with the connection is often there already
+
+    def _read(self, sock: socket.socket) -> None:
+        waiting = self._waiting.get(sock)
+        if waiting is None:
+            return
+        try:
+            chunk = sock.recv(MAX_REQUEST_BYTES + 1 - len(waiting.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(sock)
+            return
+        if not chunk:  # the client went away
+            self._drop(sock)
+            return
+        waiting.data += chunk
+        if b"\r\n\r\n" in waiting.data or b"\n\n" in waiting.data:
+            self._selector.unregister(sock)
+            del self._waiting[sock]
+            self._dispatch(sock, waiting.address, bytes(waiting.data))
+        elif len(waiting.data) > MAX_REQUEST_BYTES:
+            self._drop(sock)
+
+    def _dispatch(self, sock: socket.socket, address: tuple[Any, ...], request: bytes) -> None:
+        sock.setblocking(True)
+        if not self._workers:
+            self._answer(sock, address, request)
+            return
+        try:
+            self._requests.put_nowait((sock, address, request))
+        except queue.Full:
+            # Every worker is busy and the queue full: say so rather than wait.
+            with contextlib.suppress(OSError):  # it gets closed either way
+                sock.settimeout(0)
+                sock.send(_BUSY)
+            _close(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        """Close a connection whose request did not arrive (in time, or at all)."""
+        self._waiting.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):  # not registered (any more)
+            self._selector.unregister(sock)
+        _close(sock)
+
+    def _work(self) -> None:
+        while (item := self._requests.get()) is not None:
+            self._answer(*item)
+
+    def _answer(self, sock: socket.socket, address: tuple[Any, ...], request: bytes) -> None:
+        try:
+            self._handler((sock, request), address, None)  # type: ignore[arg-type]
+        except Exception:  # a bug: log it, keep serving
+            log.exception("HTTP endpoints: answering a request failed")
+        finally:
+            _close(sock)
 
 
-def _handler(registry: CollectorRegistry, health: Health) -> type[BaseHTTPRequestHandler]:
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # the client may have gone already
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _handler(
+    registry: CollectorRegistry, health: Health, timeout: float
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        """Answers one request that has fully arrived; the answer is sent in one piece."""
+
         server_version = "outbox-publisher"
+        # Short plain-text errors that do not echo the request back.
+        error_message_format = "%(code)d %(explain)s\n"
+        error_content_type = "text/plain; charset=utf-8"
+
+        def setup(self) -> None:
+            sock, data = self.request
+            self.connection = sock
+            self.rfile = io.BytesIO(data)
+            self.answer = self.wfile = io.BytesIO()
+
+        def finish(self) -> None:
+            # One write, bounded as a whole by the timeout (socket.sendall since 3.5).
+            self.connection.settimeout(timeout)
+            try:
+                self.connection.sendall(self.answer.getvalue())
+            except OSError as exc:
+                log.debug("%s: answer not sent: %s", self.address_string(), exc)
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]

@@ -1,4 +1,4 @@
-"""Fault injection for the crash and pause tests (never set in production).
+"""Fault injection for the crash and pause tests, off unless ``OUTBOX_ENABLE_FAULTS=1``.
 
 ``OUTBOX_CRASH_AT=<cut>[:<n>]`` makes the publisher exit at once with
 ``os._exit`` when it reaches ``cut`` for the ``n``-th batch (default: the
@@ -13,10 +13,17 @@ timeline in docs/guarantees.md:
 * ``after_commit``: (transactional delivery) the transaction is committed,
   nothing recorded yet;
 * ``after_confirm``: the outcomes are recorded.
+
+Both switches take effect only when ``OUTBOX_ENABLE_FAULTS=1`` is set too, so
+that a variable left in a production environment (copied from a test setup,
+say) cannot make a publisher crash or freeze itself. Without the gate their
+values are not even read: the publisher logs one warning naming the
+variables that are set, and runs normally.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -25,6 +32,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from outbox.errors import OutboxError
+
+log = logging.getLogger(__name__)
+
+#: The gate: the switches below take effect only when it is exactly ``1``.
+ENABLE_VARIABLE = "OUTBOX_ENABLE_FAULTS"
+#: The switches, in the order a warning names them.
+FAULT_VARIABLES = ("OUTBOX_CRASH_AT", "OUTBOX_PAUSE_AT")
 
 CUTS = ("after_claim", "after_send", "after_ack", "after_commit", "after_confirm")
 #: Exit code of an injected crash, so tests can tell it from a real failure.
@@ -56,7 +70,21 @@ class Faults:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Faults:
-        """Read ``OUTBOX_CRASH_AT`` and ``OUTBOX_PAUSE_AT``."""
+        """Read ``OUTBOX_CRASH_AT`` and ``OUTBOX_PAUSE_AT`` if ``OUTBOX_ENABLE_FAULTS=1``.
+
+        Without the gate, switches that are set are ignored (their values
+        unparsed) and one warning names them; a publisher without faults is
+        returned. With it, a value that names no cut raises ``FaultSpecError``.
+        """
+        if environ.get(ENABLE_VARIABLE) != "1":
+            ignored = [name for name in FAULT_VARIABLES if environ.get(name)]
+            if ignored:
+                log.warning(
+                    "%s set but ignored: fault injection is only for tests and needs %s=1 too",
+                    " and ".join(ignored),
+                    ENABLE_VARIABLE,
+                )
+            return cls()
         return cls(
             crash=_parse("OUTBOX_CRASH_AT", environ.get("OUTBOX_CRASH_AT")),
             pause=_parse("OUTBOX_PAUSE_AT", environ.get("OUTBOX_PAUSE_AT")),

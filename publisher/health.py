@@ -12,6 +12,11 @@ hang:
   contact and its last Kafka contact succeeded, it is not stopping, and the
   loop turned within ``stall_seconds``.
 
+Each check answers ``ok`` or a short code from ``CODES``, never an error's
+text: the endpoints are served without authentication, and what psycopg or
+Kafka say on failure names hosts, ports, users and databases. The details
+go to the log, where whoever runs the publisher reads them.
+
 An idle publisher sends nothing to Kafka, so ``KafkaProbe`` asks the broker
 for its cluster description whenever nothing else talked to Kafka for a
 while: a broker that went away is noticed without traffic.
@@ -36,8 +41,26 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
+#: Every code a check of ``/healthz`` or ``/readyz`` may answer besides ``ok``.
+CODES = (
+    "not_registered",  # the publisher has not registered in outbox.publishers yet
+    "database_not_contacted",  # no database contact yet (starting)
+    "database_unavailable",  # the last database contact failed
+    "kafka_not_contacted",  # no Kafka contact yet (starting)
+    "kafka_unavailable",  # the last Kafka contact failed
+    "starting",  # the loop has not started yet
+    "stopping",  # a stop was requested; the batch in hand is being finished
+    "loop_stalled",  # the loop has not turned within its limit
+    "loop_ended",  # the loop has ended; the process is about to exit
+)
+
+
 class Contact:
-    """The last contact with one dependency: whether it succeeded, when, and why not."""
+    """The last contact with one dependency: whether it succeeded, and when.
+
+    What a failure said is not kept here: the caller logs it, and the
+    readiness check reports only ``<name>_unavailable``.
+    """
 
     def __init__(self, name: str, clock: Clock, wall: Clock) -> None:
         self.name = name
@@ -46,7 +69,8 @@ class Contact:
         self._lock = threading.Lock()
         #: ``None`` until the first contact.
         self.ok: bool | None = None
-        self.error: str | None = None
+        #: The class of the last failure (``OperationalError``), for debugging; never served.
+        self.error_type: str | None = None
         #: Monotonic time of the last contact, either way.
         self.last_at: float | None = None
         #: Wall-clock time (epoch seconds) of the last successful contact.
@@ -55,15 +79,19 @@ class Contact:
     def succeeded(self) -> None:
         """The dependency answered."""
         with self._lock:
-            self.ok, self.error = True, None
+            self.ok, self.error_type = True, None
             self.last_at = self._clock()
             self.last_success_time = self._wall()
 
     def failed(self, error: BaseException | str) -> None:
-        """The dependency did not answer (or answered that it cannot serve)."""
-        text = error if isinstance(error, str) else _describe(error)
+        """The dependency did not answer (or answered that it cannot serve).
+
+        ``error`` is the exception, or a description of the failure; only an
+        exception's class name is kept.
+        """
+        kind = None if isinstance(error, str) else type(error).__name__
         with self._lock:
-            self.ok, self.error = False, text
+            self.ok, self.error_type = False, kind
             self.last_at = self._clock()
 
     def age(self) -> float | None:
@@ -72,20 +100,14 @@ class Contact:
         return None if last is None else self._clock() - last
 
     def problem(self) -> str | None:
-        """Why this dependency does not count as reachable; ``None`` if it does."""
+        """The code of why this dependency does not count as reachable; ``None`` if it does."""
         with self._lock:
-            ok, error, last = self.ok, self.error, self.last_at
+            ok, last = self.ok, self.last_at
         if ok is None or last is None:
-            return "not contacted yet"
+            return f"{self.name}_not_contacted"
         if not ok:
-            return f"last contact failed {self._clock() - last:.1f}s ago: {error}"
+            return f"{self.name}_unavailable"
         return None
-
-
-def _describe(error: BaseException) -> str:
-    """``Type: text``, without repeating the type where the text already starts with it."""
-    name, text = type(error).__name__, str(error)
-    return text if text.startswith(name) else f"{name}: {text}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +115,7 @@ class Verdict:
     """An answer of ``/healthz`` or ``/readyz``: the result and each check's finding."""
 
     ok: bool
-    #: Check name -> ``"ok"`` or why it fails.
+    #: Check name -> ``"ok"`` or the code of why it fails (one of ``CODES``).
     checks: dict[str, str] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
@@ -142,12 +164,11 @@ class Health:
 
     def _loop_problem(self, limit: float) -> str | None:
         if self.loop == "ended":
-            return "the loop has ended"
+            return "loop_ended"
         if self.loop == "starting" or self._turned_at is None:
             return None
-        idle = self._clock() - self._turned_at
-        if idle > limit:
-            return f"no progress for {idle:.1f}s (limit {limit:g}s)"
+        if self._clock() - self._turned_at > limit:
+            return "loop_stalled"
         return None
 
     def loop_stuck(self) -> bool:
@@ -160,9 +181,9 @@ class Health:
         return Verdict(problem is None, {"loop": problem or "ok"})
 
     def readiness(self) -> Verdict:
-        """Whether the publisher can do its work now; each failing check says why."""
+        """Whether the publisher can do its work now; each failing check gives its code."""
         checks = {
-            "registered": "ok" if self.registered else "not registered yet",
+            "registered": "ok" if self.registered else "not_registered",
             "database": self.database.problem() or "ok",
             "kafka": self.kafka.problem() or "ok",
         }

@@ -303,6 +303,17 @@ def status_line(database_url: str, state: str) -> dict[str, Any]:
     return row
 
 
+def fault_env(*, crash_at: str | None = None, pause_at: str | None = None) -> dict[str, str]:
+    """The environment of a publisher that crashes or pauses at a cut (publisher/faults.py):
+    the switch, and ``OUTBOX_ENABLE_FAULTS=1``, without which a publisher ignores it."""
+    env = {"OUTBOX_ENABLE_FAULTS": "1"}
+    if crash_at is not None:
+        env["OUTBOX_CRASH_AT"] = crash_at
+    if pause_at is not None:
+        env["OUTBOX_PAUSE_AT"] = pause_at
+    return env
+
+
 def start_publisher(
     database_url: str, kafka_bootstrap: str, *flags: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:

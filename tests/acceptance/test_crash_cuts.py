@@ -1,11 +1,11 @@
 """The real publisher killed at each cut of the crash timeline, then a fresh one takes over.
 
 Each test enqueues a few hundred messages, runs ``outbox-publisher`` with
-``OUTBOX_CRASH_AT=<cut>:2`` (it dies with ``os._exit`` at that cut of its
-second batch), checks what the database says at that moment, then runs a
-fresh publisher until nothing is left and checks the end state: every message
-delivered exactly once in Kafka, at the offset stored for it, and a second
-recovery and reconciliation pass changes nothing.
+``OUTBOX_CRASH_AT=<cut>:2`` and ``OUTBOX_ENABLE_FAULTS=1`` (it dies with
+``os._exit`` at that cut of its second batch), checks what the database says
+at that moment, then runs a fresh publisher until nothing is left and checks
+the end state: every message delivered exactly once in Kafka, at the offset
+stored for it, and a second recovery and reconciliation pass changes nothing.
 
 Every cut runs in both delivery modes. In transactional delivery the
 consumers read ``read_committed``, as that mode requires of them, and the
@@ -15,6 +15,10 @@ cuts exist only in that mode, and each has a test that walks through the
 recovery and the reconciliation step by step: the records were handed to
 the producer but the transaction was not committed, and the transaction was
 committed but nothing was recorded.
+
+Without ``OUTBOX_ENABLE_FAULTS=1`` the switch is ignored: the last test
+checks that a publisher so started delivers everything and says why it did
+not crash.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tests.support import (
     count_by_state,
     delivery_flags,
     fast_publisher_flags,
+    fault_env,
     read_topic,
     reads_committed,
     start_publisher,
@@ -77,7 +82,7 @@ def _batch_ids(database_url: str, offset: int) -> set[uuid.UUID]:
 
 def _crash(database_url: str, kafka_bootstrap: str, cut: str, *flags: str, batch: int = 2) -> str:
     process = start_publisher(
-        database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_CRASH_AT": f"{cut}:{batch}"}
+        database_url, kafka_bootstrap, *FAST, *flags, env=fault_env(crash_at=f"{cut}:{batch}")
     )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == CRASH_EXIT_CODE, stderr
@@ -225,7 +230,7 @@ def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(TOTAL)]
         )
     process = start_publisher(
-        database_url, kafka_bootstrap, *FAST, *mode, env={"OUTBOX_CRASH_AT": "after_claim:3"}
+        database_url, kafka_bootstrap, *FAST, *mode, env=fault_env(crash_at="after_claim:3")
     )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == CRASH_EXIT_CODE, stderr
@@ -459,3 +464,30 @@ def test_transactional_crash_in_a_transaction_of_several_batches_decides_them_to
     evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
     assert evidence == [("abandoned", True, TOTAL)]
     assert _decisions(database_url) == {"delivered" if committed else "pending": TOTAL}
+
+
+def test_a_crash_switch_without_the_gate_is_ignored_with_one_warning(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Without OUTBOX_ENABLE_FAULTS=1 the switches do nothing; one warning names them."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue_many(conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(3)])
+    env = {
+        "OUTBOX_ENABLE_FAULTS": "",  # whatever the test runner's environment says
+        "OUTBOX_CRASH_AT": "after_claim:1",
+        "OUTBOX_PAUSE_AT": "after_send:1",
+    }
+    process = start_publisher(database_url, kafka_bootstrap, *FAST, "--exit-when-idle", env=env)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:  # frozen at the pause after all: end it
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert count_by_state(database_url) == {"delivered": 3}
+    assert "injected" not in stderr
+    warnings = [line for line in stderr.splitlines() if "ignored" in line]
+    assert len(warnings) == 1, stderr
+    assert "OUTBOX_CRASH_AT and OUTBOX_PAUSE_AT set but ignored" in warnings[0]
+    assert "after_claim" not in warnings[0]

@@ -24,6 +24,7 @@ from tests.support import (
     SINKS,
     count_by_state,
     fast_publisher_flags,
+    fault_env,
     read_topic,
     start_publisher,
     stop_process,
@@ -57,7 +58,7 @@ def _freeze_then_take_over(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 7}") for i in range(TOTAL)]
         )
     zombie = start_publisher(
-        database_url, kafka_bootstrap, *FAST, *flags, env={"OUTBOX_PAUSE_AT": f"{pause_at}:1"}
+        database_url, kafka_bootstrap, *FAST, *flags, env=fault_env(pause_at=f"{pause_at}:1")
     )
     wait_until(lambda: _stopped(zombie), timeout=60, what="the publisher to freeze")
     successor = start_publisher(

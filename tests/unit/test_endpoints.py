@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import psycopg
 import pytest
+from kafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
-from publisher.endpoints import EndpointServer
-from publisher.health import Health
+from publisher.endpoints import MAX_REQUEST_BYTES, EndpointServer
+from publisher.health import Health, KafkaClusterCheck
 from publisher.metrics import PublisherMetrics
+from tests.support import wait_until
 
 
 def _get(url: str) -> tuple[int, str, str]:
@@ -60,7 +65,7 @@ def test_metrics_are_served_in_the_prometheus_text_format(
 def test_readyz_is_503_with_the_failing_checks_until_ready_then_200(
     served: tuple[str, Health, PublisherMetrics, EndpointServer],
 ) -> None:
-    """/readyz names what is not ready in JSON; once everything is, it answers 200."""
+    """/readyz gives the code of what is not ready in JSON; once everything is, it answers 200."""
     base, health, _, _ = served
     status, content_type, body = _get(base + "/readyz")
     assert (status, content_type) == (503, "application/json")
@@ -70,12 +75,13 @@ def test_readyz_is_503_with_the_failing_checks_until_ready_then_200(
 
     health.registered = True
     health.database.succeeded()
-    health.kafka.failed("KafkaConnectionError: 111 ECONNREFUSED")
+    health.kafka.failed(ConnectionRefusedError(111, "ECONNREFUSED"))
     health.loop_started()
     status, _, body = _get(base + "/readyz")
     assert status == 503
     assert json.loads(body)["failing"] == ["kafka"]
-    assert "ECONNREFUSED" in json.loads(body)["checks"]["kafka"]
+    assert json.loads(body)["checks"]["kafka"] == "kafka_unavailable"
+    assert "ECONNREFUSED" not in body
 
     health.kafka.succeeded()
     status, _, body = _get(base + "/readyz")
@@ -98,7 +104,7 @@ def test_healthz_is_200_while_the_loop_lives_and_503_once_it_ended(
     health.loop_ended()
     status, _, body = _get(base + "/healthz")
     assert status == 503
-    assert json.loads(body)["checks"] == {"loop": "the loop has ended"}
+    assert json.loads(body)["checks"] == {"loop": "loop_ended"}
 
 
 @pytest.mark.parametrize("path", ["/", "/metricsx", "/readyz/extra", "/favicon.ico"])
@@ -145,3 +151,146 @@ def test_one_turn_serves_one_waiting_request_without_a_thread() -> None:
         server.stop()
     assert response.startswith(b"HTTP/1.0 200 ")
     assert response.endswith(b'"checks": {"loop": "ok"}}\n')
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (the kernel's pick, released at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _closed_by_server(client: socket.socket) -> bool:
+    """Whether the server closed ``client`` (end of file, or a reset); False while it is open."""
+    client.setblocking(False)
+    try:
+        return client.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_readyz_gives_codes_and_no_word_of_what_the_dependencies_said(
+    served: tuple[str, Health, PublisherMetrics, EndpointServer],
+) -> None:
+    """Real psycopg and Kafka failures show as codes: no host, port, user, database or message."""
+    base, health, _, _ = served
+    port = _closed_port()
+    with pytest.raises(psycopg.OperationalError) as database_error:
+        psycopg.connect(
+            f"postgresql://ops_admin:hunter2@127.0.0.1:{port}/payments", connect_timeout=5
+        )
+    check = KafkaClusterCheck(f"localhost:{port}", timeout_ms=500)
+    with pytest.raises(KafkaError) as kafka_error:
+        check()
+    check.close()
+    health.registered = True
+    health.loop_started()
+    health.database.failed(database_error.value)
+    health.kafka.failed(kafka_error.value)
+
+    status, _, body = _get(base + "/readyz")
+
+    assert status == 503
+    assert json.loads(body) == {
+        "ok": False,
+        "failing": ["database", "kafka"],
+        "checks": {
+            "registered": "ok",
+            "database": "database_unavailable",
+            "kafka": "kafka_unavailable",
+            "loop": "ok",
+        },
+    }
+    assert str(port) in str(database_error.value)  # what would have leaked
+    assert str(port) in str(kafka_error.value)
+    for secret in (str(port), "127.0.0.1", "localhost", "ops_admin", "payments", "refused"):
+        assert secret not in body
+
+
+def test_idle_connections_do_not_keep_a_probe_waiting(
+    served: tuple[str, Health, PublisherMetrics, EndpointServer],
+) -> None:
+    """200 connections held open, half of them mid-request, cost no thread: /healthz answers
+    within a second, and the idle connections are still open (waiting, not refused)."""
+    base, _, _, server = served
+    threads = threading.active_count()
+    idle: list[socket.socket] = []
+    try:
+        for i in range(200):
+            client = socket.create_connection(server.address, timeout=5)
+            if i % 2:
+                client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            idle.append(client)
+        started = time.monotonic()
+        status, _, _ = _get(base + "/healthz")
+        elapsed = time.monotonic() - started
+        assert status == 200
+        assert elapsed < 1.0
+        assert not any(_closed_by_server(client) for client in idle)
+        assert threading.active_count() == threads
+    finally:
+        for client in idle:
+            client.close()
+
+
+def test_past_the_connection_limit_the_oldest_waiting_connection_is_closed() -> None:
+    """With every slot taken by idle connections, a new request is answered; the oldest goes."""
+    health = Health(stall_seconds=50, alive_seconds=110)
+    server = EndpointServer(
+        "127.0.0.1", 0, PublisherMetrics(health).registry, health, max_connections=8
+    )
+    server.start()
+    idle = [socket.create_connection(server.address, timeout=5) for _ in range(8)]
+    try:
+        host, port = server.address
+        assert _get(f"http://{host}:{port}/healthz")[0] == 200
+        wait_until(lambda: _closed_by_server(idle[0]), timeout=5, what="the oldest to be closed")
+        assert not any(_closed_by_server(client) for client in idle[2:])
+    finally:
+        for client in idle:
+            client.close()
+        server.stop()
+
+
+def test_a_request_that_does_not_arrive_in_time_is_closed() -> None:
+    """A client that sends part of a request and stops is closed at the request timeout."""
+    health = Health(stall_seconds=50, alive_seconds=110)
+    server = EndpointServer(
+        "127.0.0.1", 0, PublisherMetrics(health).registry, health, request_timeout=0.5
+    )
+    server.start()
+    try:
+        with socket.create_connection(server.address, timeout=5) as slow:
+            slow.sendall(b"GET /healthz HTTP/1.0\r\n")
+            started = time.monotonic()
+            wait_until(lambda: _closed_by_server(slow), timeout=5, what="the slow client closed")
+            assert time.monotonic() - started >= 0.4
+    finally:
+        server.stop()
+
+
+def test_an_oversized_request_is_closed_unanswered(
+    served: tuple[str, Health, PublisherMetrics, EndpointServer],
+) -> None:
+    """Headers beyond MAX_REQUEST_BYTES are not read on: the connection is closed."""
+    _, _, _, server = served
+    with socket.create_connection(server.address, timeout=5) as client:
+        client.sendall(b"GET /healthz HTTP/1.0\r\nX-Padding: " + b"a" * MAX_REQUEST_BYTES)
+        client.settimeout(5)
+        assert client.recv(1024) == b""
+
+
+def test_other_methods_are_501_in_plain_text_that_does_not_echo_the_request(
+    served: tuple[str, Health, PublisherMetrics, EndpointServer],
+) -> None:
+    """Only GET and HEAD are served; the error is a short text without the client's input."""
+    _, _, _, server = served
+    with socket.create_connection(server.address, timeout=5) as client:
+        client.sendall(b"POST /healthz\x1b[2J HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+        response = client.makefile("rb").read()
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 501 ")
+    assert b"Content-Type: text/plain; charset=utf-8" in head
+    assert body == b"501 Server does not support this operation\n"
