@@ -102,8 +102,10 @@ def _check_names(conn: psycopg.Connection[Any], names: RoleNames) -> str:
     if len(set(given)) != len(given):
         raise OutboxError(f"the writer, publisher and operator roles must differ, got {given}")
     row = conn.execute(
+        # By name, not to_regclass: that one needs USAGE on the schema already.
         "SELECT c.relowner::regrole::text, pg_has_role(current_user, c.relowner, 'USAGE'),"
-        " current_user FROM pg_class AS c WHERE c.oid = to_regclass('outbox.messages')"
+        " current_user FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = 'outbox' AND c.relname = 'messages'"
     ).fetchone()
     if row is None:
         raise OutboxError("the outbox tables are missing: run `outbox migrate` first")
