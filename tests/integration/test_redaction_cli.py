@@ -1,4 +1,7 @@
-"""The ``outbox`` CLI prints no secret of its database URL: not on errors, not in JSON."""
+"""The ``outbox`` CLI prints no secret of its database URL: not on errors, not in JSON.
+
+Each command runs as a separate process, as an operator runs it.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.cli import main
+from tests.support import run_outbox_cli
 
 pytestmark = pytest.mark.integration
 
@@ -53,24 +56,23 @@ def _pieces() -> list[str]:
 
 
 @pytest.mark.parametrize("url", FAILING)
-def test_no_command_prints_the_password_of_a_failing_url(
-    url: str, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_no_command_prints_the_password_of_a_failing_url(url: str) -> None:
     """Each command exits 2 with one line naming the problem, and no piece of the password."""
     for command in COMMANDS:
-        assert main(["--database-url", url, *command]) == 2
-        out, err = capfd.readouterr()
-        assert err.startswith("outbox: "), (command, err)
+        done = run_outbox_cli(url, *command)
+        assert done.returncode == 2, (command, done.stderr)
+        assert done.stderr.startswith("outbox: "), (command, done.stderr)
+        assert "Traceback" not in done.stderr
         for piece in _pieces():
-            assert piece not in out + err, (command, out, err)
+            assert piece not in done.stdout + done.stderr, (command, done.stdout, done.stderr)
 
 
-def test_a_url_that_does_not_parse_is_named_as_such(capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_url_that_does_not_parse_is_named_as_such() -> None:
     """The reason is libpq's, without the pieces of the URL it quotes."""
-    assert main(["--database-url", f"postgresql://u:{SECRET}@[::1/db", "status"]) == 2
-    _, err = capfd.readouterr()
-    assert err.startswith("outbox: the database URL could not be parsed: ")
-    assert "IPv6 host address" in err
+    done = run_outbox_cli(f"postgresql://u:{SECRET}@[::1/db", "status")
+    assert done.returncode == 2
+    assert done.stderr.startswith("outbox: the database URL could not be parsed: ")
+    assert "IPv6 host address" in done.stderr
 
 
 def _with_password(database_url: str, form: str) -> str:
@@ -89,9 +91,7 @@ def _with_password(database_url: str, form: str) -> str:
 
 
 @pytest.mark.parametrize("form", ["userinfo", "query", "key/value"])
-def test_json_output_holds_no_secret(
-    database_url: str, form: str, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_json_output_holds_no_secret(database_url: str, form: str) -> None:
     """status, list and inspect --json on a URL with a password show none of it."""
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(conn, "orders", b"payload")
@@ -101,11 +101,11 @@ def test_json_output_holds_no_secret(
         ("list", "--state", "pending", "--json"),
         ("inspect", str(message_id), "--json"),
     ):
-        assert main(["--database-url", url, *command]) in (0, 1)
-        out, err = capfd.readouterr()
-        assert out.startswith("{"), err
+        done = run_outbox_cli(url, *command)
+        assert done.returncode in (0, 1), done.stderr
+        assert done.stdout.startswith("{"), done.stderr
         for piece in _pieces():
-            assert piece not in out + err
+            assert piece not in done.stdout + done.stderr
 
 
 def test_the_command_prints_no_password_from_the_environment() -> None:
