@@ -18,6 +18,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import psycopg.errors
@@ -33,7 +34,9 @@ from outbox.operator import (
     retry,
     retry_quarantined,
 )
+from outbox.redaction import check_conninfo, connect_errors_redacted, scrub
 from outbox.retention import DEFAULT_BATCH_SIZE, DEFAULT_EVIDENCE_AGE, parse_duration, purge
+from outbox.roles import RoleNames, create_roles, granted_roles
 from outbox.states import State
 from outbox.status import read_held_keys, read_status
 
@@ -82,11 +85,28 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL, e.g. postgresql://user@host:5432/db (default: $OUTBOX_DATABASE_URL)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser(
+    migrate_cmd = commands.add_parser(
         "migrate",
         help="create or upgrade the outbox tables (safe to repeat and to run concurrently)",
-        description="Apply the schema migrations this version ships that the database lacks.",
+        description="Apply the schema migrations this version ships that the database lacks. "
+        "Run it as the owner of the outbox schema (the role that ran it first). With "
+        "--create-roles, then create the writer, publisher and operator roles (NOLOGIN) that "
+        "do not exist and grant each exactly its privileges; run it so after every upgrade, "
+        "since new tables and views get no grants otherwise (docs/security.md).",
     )
+    migrate_cmd.add_argument(
+        "--create-roles",
+        action="store_true",
+        help="also create the roles (needs CREATEROLE for a missing one) and renew their grants",
+    )
+    defaults = RoleNames()
+    for purpose, default in defaults.by_purpose().items():
+        migrate_cmd.add_argument(
+            f"--{purpose}-role",
+            default=default,
+            metavar="NAME",
+            help=f"with --create-roles: the {purpose} role's name (default {default})",
+        )
     status = commands.add_parser(
         "status",
         help="how many messages are in each state, per topic and overall, and the next safe "
@@ -223,17 +243,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
+    """A connection to ``url``; an error opening it repeats nothing secret of the URL."""
+    with connect_errors_redacted(url):
+        return psycopg.connect(url)
+
+
 def _migrate(args: argparse.Namespace) -> int:
     applied = migrate(args.database_url)
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         version = current_version(conn)
-    names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"
-    print(f"schema at version {version}; applied now: {names}")
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"
+        print(f"schema at version {version}; applied now: {names}")
+        if args.create_roles:
+            roles = RoleNames(args.writer_role, args.publisher_role, args.operator_role)
+            for line in create_roles(conn, roles).lines():
+                print(line)
+        elif applied and (granted := granted_roles(conn)):
+            print(
+                f"note: roles {', '.join(granted)} have grants on the outbox schema; what this "
+                "migration created has none yet: run `outbox migrate --create-roles` (with "
+                "their names) to renew them"
+            )
     return EXIT_OK
 
 
 def _status(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         lines = read_status(conn)
         held = read_held_keys(conn)
     show = render.status_json if args.json else render.status_text
@@ -243,7 +279,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         timeline = read_timeline(conn, args.message_id)
     if timeline is None:
         raise OutboxError(f"no message {args.message_id} (and no evidence of one)")
@@ -252,7 +288,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         listing = list_messages(conn, args.state, topic=args.topic, limit=args.limit)
         now = conn.execute("SELECT now()").fetchone()
     if args.json:
@@ -263,7 +299,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         try:
             report = purge(
                 conn,
@@ -282,7 +318,7 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 def _resolve(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         try:
             before = resolve(
                 conn,
@@ -299,7 +335,7 @@ def _resolve(args: argparse.Namespace) -> int:
 
 
 def _retry(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         if args.quarantined:
             try:
                 ids = retry_quarantined(conn, topic=args.topic, reason=args.reason)
@@ -319,7 +355,7 @@ def _retry(args: argparse.Namespace) -> int:
 
 
 def _discard(args: argparse.Namespace) -> int:
-    with psycopg.connect(args.database_url) as conn:
+    with _connect(args.database_url) as conn:
         try:
             before = discard(conn, args.message_id, args.reason)
         except ValueError as exc:
@@ -327,6 +363,18 @@ def _discard(args: argparse.Namespace) -> int:
     print(f"message {args.message_id}: {before.value} -> discarded ({args.reason})")
     return EXIT_OK
 
+
+#: The role each command needs, said when the database refuses it.
+NEEDS = {
+    "migrate": "`outbox migrate` runs as the owner of the outbox schema",
+    "status": "`outbox status` needs the operator (or publisher) role",
+    "inspect": "`outbox inspect` needs the operator (or publisher) role",
+    "list": "`outbox list` needs the operator (or publisher) role",
+    "purge": "`outbox purge` is retention and needs the publisher role",
+    "resolve": "`outbox resolve` needs the operator role",
+    "retry": "`outbox retry` needs the operator role",
+    "discard": "`outbox discard` needs the operator role",
+}
 
 COMMANDS = {
     "migrate": _migrate,
@@ -351,15 +399,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not args.database_url:
         parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
+    url = args.database_url
     try:
+        check_conninfo(url)
         return COMMANDS[args.command](args)
     except psycopg.errors.UndefinedTable as exc:
+        shown = scrub(str(exc).strip(), url)
         print(
-            f"outbox: the outbox tables are missing ({exc}); run `outbox migrate`", file=sys.stderr
+            f"outbox: the outbox tables are missing ({shown}); run `outbox migrate`",
+            file=sys.stderr,
         )
         return EXIT_ERROR
+    except psycopg.errors.InsufficientPrivilege as exc:
+        shown = scrub(str(exc).strip(), url)
+        print(f"outbox: {shown}; {NEEDS[args.command]} (see docs/security.md)", file=sys.stderr)
+        return EXIT_ERROR
     except (OutboxError, psycopg.Error) as exc:
-        print(f"outbox: {exc}", file=sys.stderr)
+        # Every message printed is scrubbed: no form of the URL's password shows.
+        print(f"outbox: {scrub(str(exc).strip(), url)}", file=sys.stderr)
         return EXIT_ERROR
 
 

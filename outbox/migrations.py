@@ -24,6 +24,7 @@ import psycopg
 
 from outbox.connection import Executor, executor_for
 from outbox.errors import MigrationError
+from outbox.redaction import connect_errors_redacted
 
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 #: Key of the advisory lock held while migrating (the text 'outbox.migrate' hashed by hand).
@@ -102,7 +103,9 @@ def migrate(conninfo: str, *, target: int | None = None) -> list[Migration]:
             raise MigrationError(f"no migration has version {target}")
         migrations = [m for m in migrations if m.version <= target]
     applied: list[Migration] = []
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    with connect_errors_redacted(conninfo):
+        conn = psycopg.connect(conninfo, autocommit=True)
+    with conn:
         for migration in migrations:
             with conn.transaction():
                 applied.extend(_apply(_Target(conn), migrations, only=migration.version))

@@ -19,12 +19,13 @@ import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.errors import OutboxError
+from outbox.redaction import parse_reason
+from outbox.redaction import redact as redact  # noqa: PLC0414 - moved there; callers keep this name
 from outbox.retention import parse_duration
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -312,18 +313,6 @@ def _heading(problems: Collection[str]) -> str:
     return "invalid publisher configuration:\n  " + "\n  ".join(problems)
 
 
-def redact(url: str) -> str:
-    """The URL with its password replaced by ``***``, fit for logs and error messages."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return url
-    if not password:
-        return url
-    return parts._replace(netloc=parts.netloc.replace(f":{password}@", ":***@", 1)).geturl()
-
-
 def _database_url_problem(url: str) -> str | None:
     shown = redact(url)
     if not url.startswith(("postgresql://", "postgres://")):
@@ -331,7 +320,7 @@ def _database_url_problem(url: str) -> str | None:
     try:
         parts = conninfo_to_dict(url)
     except ProgrammingError as exc:
-        return f"database URL {shown!r} does not parse: {str(exc).strip()}"
+        return f"database URL {shown!r} does not parse: {parse_reason(str(exc))}"
     ports = str(parts.get("port") or "5432").split(",")
     if not all(p.isdigit() and 0 < int(p) < 65536 for p in ports):
         return f"database URL {shown!r} has an invalid port {parts.get('port')!r}"

@@ -15,6 +15,10 @@ set for the server, the database or the role):
 
 So every connection the publisher opens comes from ``connect`` here, which
 pins the level for the whole session, transactions begun or implicit alike.
+
+An error opening one repeats nothing secret of the URL (see
+``outbox.redaction``): libpq's parse errors quote pieces of it, and the
+publisher logs every connection error it retries.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import psycopg
 
 from outbox.queries import query
+from outbox.redaction import connect_errors_redacted
 
 
 def connect(conninfo: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection[Any]:
@@ -33,7 +38,8 @@ def connect(conninfo: str, *, autocommit: bool = False, **kwargs: Any) -> psycop
     in the mode asked for: set inside a transaction, it would be undone if
     that transaction were rolled back.
     """
-    conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
+    with connect_errors_redacted(conninfo):
+        conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
     try:
         conn.execute(query("pin_read_committed"))
         conn.autocommit = autocommit

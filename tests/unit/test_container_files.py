@@ -161,7 +161,7 @@ def test_compose_publishes_the_publisher_endpoints_on_localhost_and_gates_on_hea
     # The image's default command is the publisher; migrate names its own.
     assert publisher.get("command") is None
     assert publisher.get("entrypoint") is None
-    assert services["migrate"]["command"] == ["outbox", "migrate"]
+    assert services["migrate"]["command"] == ["outbox", "migrate", "--create-roles"]
 
 
 def _final_stage(dockerfile: str) -> str:
@@ -193,3 +193,35 @@ def test_hadolint_finds_nothing_in_the_dockerfile() -> None:
         [hadolint, str(DOCKERFILE)], capture_output=True, text=True, check=False, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_connects_each_component_as_its_own_login_never_the_superuser() -> None:
+    """Every OUTBOX_DATABASE_URL in compose.yaml names a login the init script makes, in the
+    role its component needs; none is the superuser."""
+    compose = COMPOSE.read_text()
+    init = (ROOT / "deploy" / "postgres-init" / "10-outbox-logins.sh").read_text()
+    urls = dict(
+        re.findall(
+            r"^  (\w+):\n(?:    .*\n)*?      OUTBOX_DATABASE_URL: postgresql://(\w+):",
+            compose,
+            flags=re.M,
+        )
+    )
+    assert urls == {
+        "migrate": "outbox_owner",
+        "publisher": "publisher",
+        "demo": "demo",
+        "operator": "operator",
+    }
+    assert "POSTGRES_USER: postgres" in compose
+    assert "./deploy/postgres-init:/docker-entrypoint-initdb.d:ro" in compose
+    for login, role in [
+        ("demo", "outbox_writer"),
+        ("publisher", "outbox_publisher"),
+        ("operator", "outbox_operator"),
+    ]:
+        assert re.search(
+            rf"^CREATE ROLE {login} LOGIN PASSWORD :'\w+' IN ROLE {role};$", init, re.M
+        )
+    assert 'ALTER DATABASE :"DBNAME" OWNER TO outbox_owner;' in init
+    assert "SUPERUSER" not in init

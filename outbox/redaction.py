@@ -1,0 +1,231 @@
+"""Keeping credentials out of what the outbox prints: logs, error messages, CLI output.
+
+A database URL may carry a password in every form libpq accepts, and each
+one is hidden here:
+
+* URL user info, ``postgresql://user:pw@host/db``, percent-encoded or not;
+  in a URL that does not parse (an unencoded ``@``, ``/``, ``?`` or ``#`` in
+  the password), everything from after ``://`` up to the last ``@``;
+* the ``password`` and ``sslpassword`` query parameters of a URL, their
+  names percent-encoded or not (``?password=pw``, ``?pass%77ord=pw``);
+* ``password=`` and ``sslpassword=`` in a key/value connection string,
+  quoted or not (``host=h password='p w'``), and ``PGPASSWORD=`` written out.
+
+``redact`` rewrites a connection string, or a text holding some, by these
+rules. ``scrub`` also removes from a text every string that may be a
+password of one connection string (and of ``PGPASSWORD``): libpq's own
+messages can repeat a piece of a URL that does not parse (a host name made of
+the end of a password), and only the URL says what to look for.
+
+Opening a connection goes through ``connect_errors_redacted``: psycopg's
+parse errors, which repeat pieces of the URL, become "the database URL could
+not be parsed: <reason>" with the quoted pieces left out, and any other
+connection error is scrubbed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from urllib.parse import unquote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+#: What a secret is replaced with.
+REDACTED = "***"
+#: libpq settings that hold a secret (a URL query parameter or a key/value pair).
+SECRET_KEYS = frozenset({"password", "sslpassword"})
+#: Environment variables libpq reads a secret from.
+SECRET_ENV = ("PGPASSWORD", "PGSSLPASSWORD")
+#: Pieces of a password shorter than this are not searched for in a message:
+#: they would blank ordinary words, and say little about the password.
+MIN_SCRUBBED = 3
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+#: A URL inside a text runs to the next blank or quote.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
+#: ``password = value`` (and sslpassword, PGPASSWORD): a value quoted libpq's
+#: way ('...' with backslash escapes; unterminated: to the end) or a bare run.
+_KEY_VALUE = re.compile(r"(?i)\b((?:pg)?(?:ssl)?password)(\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|\S)*)")
+#: Where libpq may cut a malformed URL into pieces (hosts, ports, user names).
+_PIECES = re.compile(r"[@/:?#&,=\s\[\]'\"]+")
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _redact_url(url: str) -> str:
+    """A URL with its secret query parameters and its user info's password hidden."""
+    head = _SCHEME.match(url)
+    if head is None:
+        return url
+    scheme, rest = url[: head.end()], url[head.end() :]
+    # The query first: a password there may hold an '@', which would read as
+    # the end of user info below.
+    query_at = rest.find("?")
+    if query_at >= 0:
+        pairs = []
+        for pair in rest[query_at + 1 :].split("&"):
+            key, eq, _ = pair.partition("=")
+            secret = eq and unquote(key).strip().lower() in SECRET_KEYS
+            pairs.append(key + eq + REDACTED if secret else pair)
+        rest = rest[: query_at + 1] + "&".join(pairs)
+    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    # No '@' before the path: a URL that does not parse, whose password may
+    # hold a '/', '?' or '#'; its user info runs to the last '@'.
+    within = "@" in rest[:authority_end]
+    at = rest.rindex("@", 0, authority_end) if within else rest.rfind("@")
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        if colon:
+            rest = user + ":" + REDACTED + rest[at:]
+    return scheme + rest
+
+
+def _redact_key_values(text: str) -> str:
+    return _KEY_VALUE.sub(lambda m: m[1] + m[2] + REDACTED, text)
+
+
+def redact(text: str) -> str:
+    """``text`` (a connection string, or a message holding some) with every password hidden.
+
+    A text that is one URL is read as one, blanks and all; in any other text,
+    each URL runs to the next blank or quote, and key/value pairs are
+    redacted around them.
+    """
+    stripped = text.strip()
+    if _SCHEME.match(stripped):
+        start = text.index(stripped)
+        return text[:start] + _redact_url(stripped) + text[start + len(stripped) :]
+    out, last = [], 0
+    for match in _URL_IN_TEXT.finditer(text):
+        out.append(_redact_key_values(text[last : match.start()]))
+        out.append(_redact_url(match[0]))
+        last = match.end()
+    out.append(_redact_key_values(text[last:]))
+    return "".join(out)
+
+
+def _unquote_key_value(value: str) -> str:
+    if value.startswith("'"):
+        value = value[1:-1] if value.endswith("'") and len(value) > 1 else value[1:]
+    return re.sub(r"\\(.)", r"\1", value)
+
+
+def secrets_in(conninfo: str) -> set[str]:
+    """Every string that may be a password of ``conninfo``, however it is read.
+
+    The password as libpq reads it, and as each rule of ``redact`` finds it
+    (raw and percent-decoded), for URLs that do not parse too.
+    """
+    found: set[str] = set()
+    stripped = conninfo.strip()
+    head = _SCHEME.match(stripped)
+    if head:
+        rest = stripped[head.end() :]
+        for at in {rest.find("@"), rest.rfind("@")} - {-1}:
+            userinfo = rest[:at]
+            if ":" in userinfo:
+                found.add(userinfo.partition(":")[2])
+        query = rest.partition("?")[2]
+        for pair in query.split("&"):
+            key, eq, value = pair.partition("=")
+            if eq and unquote(key).strip().lower() in SECRET_KEYS:
+                found.add(value)
+    else:
+        for match in _KEY_VALUE.finditer(stripped):
+            found.add(_unquote_key_value(match[3]))
+    try:
+        parsed = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        parsed = {}
+    found.update(str(parsed[k]) for k in SECRET_KEYS if parsed.get(k))
+    found.update(os.environ[name] for name in SECRET_ENV if os.environ.get(name))
+    found |= {unquote(s) for s in found}
+    return {s for s in found if s}
+
+
+def scrub(text: str, conninfo: str) -> str:
+    """``redact(text)``, and every password of ``conninfo`` (or piece of one) hidden in it.
+
+    A piece is what a malformed URL may be cut into where libpq splits one
+    (``@ / : ? # & , =``, blanks, brackets); pieces shorter than
+    ``MIN_SCRUBBED`` characters, and the names of libpq settings, are left.
+    """
+    text = redact(text)
+    secrets = secrets_in(conninfo)
+    for secret in list(secrets):
+        secrets.update(_PIECES.split(secret))
+    # A piece that is a setting's name (a malformed URL cut at its query) is no secret.
+    secrets -= _libpq_keywords() | SECRET_KEYS
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= MIN_SCRUBBED:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+@cache
+def _libpq_keywords() -> frozenset[str]:
+    return (
+        frozenset(option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults())
+        - SECRET_KEYS
+    )
+
+
+def parse_reason(message: str) -> str:
+    """libpq's reason for refusing a connection string, without the pieces of it it quotes.
+
+    libpq quotes the offending piece (``invalid percent-encoded token:
+    "p%zz"``, or the whole URL): a quoted piece stays only when it names a
+    libpq setting or is one punctuation mark.
+    """
+
+    def keep(match: re.Match[str]) -> str:
+        piece = match[1]
+        shown = piece in _libpq_keywords() or (len(piece) == 1 and not piece.isalnum())
+        return match[0] if shown else '"..."'
+
+    return redact(_QUOTED.sub(keep, message.strip()))
+
+
+class DatabaseURLError(psycopg.ProgrammingError):
+    """The database URL could not be parsed (the message repeats nothing of it)."""
+
+
+def redacted_error(exc: psycopg.Error, conninfo: str) -> psycopg.Error:
+    """An error raised while opening ``conninfo``, made safe to print; ``exc`` if it was.
+
+    A ``ProgrammingError`` there is libpq refusing the connection string;
+    any other error is scrubbed of the URL's secrets, and kept as it is
+    (its class and diagnostics) when there was nothing to scrub.
+    """
+    if isinstance(exc, DatabaseURLError):
+        return exc
+    if isinstance(exc, psycopg.ProgrammingError) and exc.sqlstate is None:
+        return DatabaseURLError(f"the database URL could not be parsed: {parse_reason(str(exc))}")
+    shown = scrub(str(exc), conninfo)
+    return exc if shown == str(exc) else type(exc)(shown)
+
+
+@contextmanager
+def connect_errors_redacted(conninfo: str) -> Iterator[None]:
+    """Around opening a connection to ``conninfo``: the errors raised leak none of its secrets.
+
+    The original error is not chained (``from None``), so a traceback in a
+    log does not print it either.
+    """
+    try:
+        yield
+    except psycopg.Error as exc:
+        safe = redacted_error(exc, conninfo)
+        if safe is exc:
+            raise
+        raise safe from None
+
+
+def check_conninfo(conninfo: str) -> None:
+    """Raise ``DatabaseURLError`` when libpq cannot parse ``conninfo`` (before connecting)."""
+    with connect_errors_redacted(conninfo):
+        conninfo_to_dict(conninfo)

@@ -1,0 +1,72 @@
+-- The privileges of the three outbox roles, by name (outbox/roles.py runs them).
+-- {writer}, {publisher} and {operator} are the roles' names, quoted as
+-- identifiers. Every block runs in one transaction with the others, as the
+-- owner of the outbox tables: the grants are exactly these, and a running
+-- publisher or service never sees them half made.
+--
+-- PostgreSQL checks column privileges, so an UPDATE grant names the columns
+-- a role's statements write and nothing else: a role cannot rewrite a
+-- payload, a topic or a key it may not. Locking a row (SELECT ... FOR UPDATE
+-- or FOR SHARE) needs UPDATE on one of its columns. Views run with their
+-- owner's privileges: a grant on a view is all a reader needs.
+
+-- name: revoke
+-- Start from nothing on every outbox object (a table's column grants go with
+-- it), so that a privilege dropped from this file is dropped from the roles.
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM {writer}, {publisher}, {operator};
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM {writer}, {publisher}, {operator};
+REVOKE ALL ON SCHEMA outbox FROM {writer}, {publisher}, {operator};
+
+-- name: writer
+-- A service that enqueues: insert_messages and ids_by_idempotency_key. The
+-- insert's ON CONFLICT (idempotency_key) and RETURNING id read those two
+-- columns; seq (an identity), lane and key_hash (generated) need no grant,
+-- nor the advisory locks or the NOTIFY of the insert trigger. Nothing else
+-- of any message is readable: not its value, headers, key, topic or state.
+GRANT USAGE ON SCHEMA outbox TO {writer};
+GRANT INSERT (id, topic, key, value, header_names, header_values, idempotency_key)
+    ON outbox.messages TO {writer};
+GRANT SELECT (id, idempotency_key) ON outbox.messages TO {writer};
+
+-- name: publisher
+-- outbox-publisher and outbox-publisher reconcile: claim, mark, settle,
+-- recovery, reconciliation, heartbeat, lanes, metrics (read), retention
+-- (outbox purge, or the publisher's --retention-interval) and LISTEN (which
+-- needs no grant). It reads every outbox table and view; it writes the
+-- delivery columns of a message, never its payload, topic or key.
+GRANT USAGE ON SCHEMA outbox TO {publisher};
+GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {publisher};
+GRANT UPDATE (state, fence, attempts, batch_id, kafka_partition, kafka_offset, delivered_at,
+              available_at, escalated_at, last_error, failures, send_alone, updated_at)
+    ON outbox.messages TO {publisher};
+GRANT INSERT (publisher_id, lease_expires_at, message_ids, key_hashes),
+      UPDATE (send_began_at, write_deadline, transactional_id, partition_counts,
+              confirmed_offsets, settled_at, lease_expires_at)
+    ON outbox.batches TO {publisher};
+GRANT INSERT ON outbox.attempts TO {publisher};
+GRANT INSERT (message_id, decided_by, from_state, to_state, reason, evidence)
+    ON outbox.decisions TO {publisher};
+GRANT INSERT (topic, kafka_partition, confirmed_offset), UPDATE (confirmed_offset, updated_at)
+    ON outbox.partition_offsets TO {publisher};
+GRANT INSERT (id, host, pid, version), UPDATE (heartbeat_at, stopped_at, transactional_id)
+    ON outbox.publishers TO {publisher};
+GRANT UPDATE (owner, lease_expires_at, fence, acquired_at) ON outbox.lanes TO {publisher};
+-- Retention: purge_delivered, purge_attempts, purge_decisions, purge_batches.
+GRANT DELETE ON outbox.messages, outbox.attempts, outbox.decisions, outbox.batches
+    TO {publisher};
+
+-- name: operator
+-- outbox status, list and inspect (every table and view), and the decisions:
+-- resolve, retry and discard (resolve_lock, resolve_message,
+-- retry_quarantined), each recorded in outbox.decisions. No DELETE: the
+-- decisions an operator took cannot be erased by one (retention is the
+-- publisher role's).
+GRANT USAGE ON SCHEMA outbox TO {operator};
+GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {operator};
+GRANT UPDATE (state, kafka_partition, kafka_offset, delivered_at, available_at, escalated_at,
+              failures, last_error, updated_at)
+    ON outbox.messages TO {operator};
+-- Only so that resolve_lock can lock the message's lane FOR UPDATE.
+GRANT UPDATE (acquired_at) ON outbox.lanes TO {operator};
+GRANT INSERT (message_id, decided_by, from_state, to_state, reason, evidence)
+    ON outbox.decisions TO {operator};
