@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(
         prog="outbox-publisher",
+        # No abbreviations: --kafka-sasl-password would otherwise be taken for
+        # --kafka-sasl-password-file, and a password typed there treated as a path.
+        allow_abbrev=False,
         description="Deliver committed outbox intents from PostgreSQL to Apache Kafka.",
         epilog="Each setting can also be set with the environment variable in brackets or "
         "in a TOML file (--config), under the flag's name with underscores "

@@ -54,6 +54,7 @@ _LOGIN_TIMEOUT_MS = 15_000
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=COMMAND,
+        allow_abbrev=False,  # as outbox-publisher: no --kafka-sasl-password for the -file flag
         description="Move in-flight messages whose lease expired (by their evidence), then look "
         "for every uncertain message whose producer can no longer write in its Kafka partition: "
         "found -> delivered, proven absent -> pending, evidence gone -> escalated to you. "
