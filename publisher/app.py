@@ -26,6 +26,7 @@ from publisher.endpoints import EndpointServer
 from publisher.faults import Faults
 from publisher.fencing import KafkaFencer
 from publisher.health import KafkaClusterCheck
+from publisher.kafka_security import KafkaSecurity, check_login
 from publisher.loop import Publisher, Totals
 from publisher.metrics import StatusReader
 from publisher.reconciler import Reconciler
@@ -46,20 +47,24 @@ def build_publisher(
 ) -> Publisher:
     """Wire a publisher to PostgreSQL and Kafka from its config (nothing is contacted yet)."""
     publisher_id = publisher_id or uuid.uuid4()
+    # Every Kafka client below gets the same security settings (password files read once).
+    security = KafkaSecurity.from_config(config)
     store = PublisherStore(config.database_url, publisher_id)
     reconciler = None
     if config.reconcile_interval > 0:
         reconciler = Reconciler(
             store,
-            KafkaLogScanner(config.kafka_bootstrap),
+            KafkaLogScanner(config.kafka_bootstrap, security=security),
             f"reconciler {publisher_id}",
             absence_grace=config.absence_grace,
-            fencer=KafkaFencer(config.kafka_bootstrap, timeout_ms=config.max_block_ms),
+            fencer=KafkaFencer(
+                config.kafka_bootstrap, timeout_ms=config.max_block_ms, security=security
+            ),
         )
     publisher = Publisher(
         config,
         store,
-        build_sink(config, publisher_id),
+        build_sink(config, publisher_id, security),
         Waker(config.database_url),
         reconciler=reconciler,
         heartbeat_store=PublisherStore(config.database_url, publisher_id),
@@ -69,7 +74,9 @@ def build_publisher(
         pid=os.getpid(),
         status_reader=StatusReader(config.database_url),
         kafka_check=KafkaClusterCheck(
-            config.kafka_bootstrap, timeout_ms=min(config.request_timeout_ms, 5_000)
+            config.kafka_bootstrap,
+            timeout_ms=min(config.request_timeout_ms, 5_000),
+            security=security,
         ),
     )
     if config.purge_delivered_after:
@@ -83,7 +90,9 @@ def build_publisher(
     return publisher
 
 
-def build_sink(config: PublisherConfig, publisher_id: uuid.UUID) -> Sink:
+def build_sink(
+    config: PublisherConfig, publisher_id: uuid.UUID, security: KafkaSecurity | None = None
+) -> Sink:
     """The producer the config names (``--sink``), with the publisher's settings."""
     sink_config = KafkaSinkConfig(
         bootstrap_servers=config.kafka_bootstrap,
@@ -96,6 +105,7 @@ def build_sink(config: PublisherConfig, publisher_id: uuid.UUID) -> Sink:
         transactional_id_prefix=(
             f"outbox-{publisher_id}" if config.delivery == "transactional" else None
         ),
+        security=security or KafkaSecurity.from_config(config),
     )
     if config.sink == "confluent":
         # Only with the confluent extra installed (the config checked it).
@@ -118,17 +128,24 @@ class PublisherApp:
         self.publisher.request_stop()
 
     def run(self) -> Totals:
-        """Serve the endpoints and deliver until stopped; the endpoints stop with the loop."""
+        """Serve the endpoints and deliver until stopped; the endpoints stop with the loop.
+
+        Raises ``KafkaAuthenticationFailed`` at once when the brokers refuse
+        the publisher's credentials (``check_login``): that never heals.
+        """
         config = self.publisher.config
-        if self.endpoints is not None:
-            self.endpoints.start()
+        security = KafkaSecurity.from_config(config)
         log.info(
-            "publisher %s: database %s, Kafka %s",
+            "publisher %s: database %s, Kafka %s (%s)",
             self.publisher.publisher_id,
             redact(config.database_url),
             config.kafka_bootstrap,
+            security.describe(),
         )
+        if self.endpoints is not None:
+            self.endpoints.start()
         try:
+            check_login(config.kafka_bootstrap, security, timeout_ms=config.max_block_ms)
             return self.publisher.run()
         finally:
             if self.endpoints is not None:

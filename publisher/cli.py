@@ -28,6 +28,7 @@ from prometheus_client import disable_created_metrics
 from publisher.app import build_app
 from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, PublisherConfig, resolve
 from publisher.faults import Faults, FaultSpecError
+from publisher.kafka_security import KafkaAuthenticationFailed
 from publisher.logs import configure_logging
 from publisher.reconcile_cli import main as reconcile_main
 
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(
         prog="outbox-publisher",
+        # No abbreviations: --kafka-sasl-password would otherwise be taken for
+        # --kafka-sasl-password-file, and a password typed there treated as a path.
+        allow_abbrev=False,
         description="Deliver committed outbox intents from PostgreSQL to Apache Kafka.",
         epilog="Each setting can also be set with the environment variable in brackets or "
         "in a TOML file (--config), under the flag's name with underscores "
@@ -58,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for s in SETTINGS:
         group = groups[s.group]
+        if not s.has_flag:
+            continue  # a secret: environment, config file, or its own file setting
         if s.flag_sets is not None:
             group.add_argument(
                 s.flag,
@@ -96,7 +102,7 @@ def config_from_args(
     return resolve(given, environ, config_file)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one exit per outcome
     """Run the publisher until SIGTERM/SIGINT (or idle); return the exit code.
 
     With ``reconcile`` as the first argument, run that command instead.
@@ -123,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
     try:
         app = build_app(config, publisher_id, faults=faults)
+    except ConfigError as exc:  # what only the sink can judge (its producer's settings)
+        print(f"outbox-publisher: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # only the HTTP endpoints' socket is opened while building
         log.error(
             "cannot serve metrics and health on %s:%d: %s (--http-port 0 serves none)",
@@ -141,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         app.run()
+    except KafkaAuthenticationFailed as exc:
+        log.error("%s", exc)  # one line: a traceback would add nothing
+        return 1
     except Exception:
         log.exception("publisher failed")
         return 1

@@ -48,6 +48,13 @@ WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
 #: How a publisher delivers (``--delivery``); see docs/guarantees.md.
 DELIVERY_MODES = ("idempotent", "transactional")
 
+#: How the publisher's Kafka clients talk to the brokers (``--kafka-security-protocol``).
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+#: The SASL mechanisms the settings can configure on both sinks (``--kafka-sasl-mechanism``).
+#: OAUTHBEARER needs a token provider (kafka-python) or an OIDC setup
+#: (librdkafka) that no plain setting describes; GSSAPI a Kerberos setup.
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
 
 class ConfigError(OutboxError):
     """A setting is missing, malformed, or contradicts another."""
@@ -122,6 +129,28 @@ class PublisherConfig:
     log_level: str = "INFO"
     #: ``text`` for people, ``json`` (one object per line) for log collectors.
     log_format: str = "text"
+    # Kafka security, for every Kafka client the publisher opens (producer,
+    # reconciler's consumer, fencer, admin clients, health probe); mapped to
+    # each client library's settings in ``publisher.kafka_security``.
+    #: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
+    kafka_security_protocol: str = "PLAINTEXT"
+    #: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (with a SASL_* protocol).
+    kafka_sasl_mechanism: str = ""
+    kafka_sasl_username: str = ""
+    #: From the environment or the config file only, never a flag (it would show in ``ps``).
+    kafka_sasl_password: str = field(default="", repr=False)
+    #: A file holding the SASL password (its first line); instead of ``kafka_sasl_password``.
+    kafka_sasl_password_file: str = ""
+    #: PEM file of the CAs that sign the brokers' certificates; empty: the system's CAs.
+    kafka_ssl_cafile: str = ""
+    #: Client certificate and key (PEM) for brokers that authenticate clients by TLS.
+    kafka_ssl_certfile: str = ""
+    kafka_ssl_keyfile: str = ""
+    #: The client key's password: environment or config file only, like the SASL password.
+    kafka_ssl_key_password: str = field(default="", repr=False)
+    kafka_ssl_key_password_file: str = ""
+    #: Whether the broker's certificate must name the host connected to.
+    kafka_ssl_check_hostname: bool = True
 
     @property
     def longest_send_seconds(self) -> float:
@@ -298,7 +327,130 @@ class PublisherConfig:
                 "log_format",
                 f"log format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}",
             )
+        problems += kafka_security_problems(self)
         return problems
+
+
+def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: PLR0912 - one flat check per setting reads best
+    """What is wrong with the Kafka security settings of ``config`` (secrets never shown).
+
+    Files named by the settings must be readable now: a typo in a path is
+    found at start rather than at the first TLS handshake.
+    """
+    problems: list[Problem] = []
+
+    def problem(names: str, text: str) -> None:
+        problems.append(Problem(frozenset(names.split()), text))
+
+    protocol = config.kafka_security_protocol
+    sasl = protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+    tls = protocol in ("SSL", "SASL_SSL")
+    if protocol not in SECURITY_PROTOCOLS:
+        problem(
+            "kafka_security_protocol",
+            f"Kafka security protocol {protocol!r} is not one of {', '.join(SECURITY_PROTOCOLS)}",
+        )
+        return problems
+    mechanism = config.kafka_sasl_mechanism
+    if sasl:
+        if not mechanism:
+            problem(
+                "kafka_sasl_mechanism",
+                f"Kafka security protocol {protocol} needs a SASL mechanism "
+                f"(--kafka-sasl-mechanism: {', '.join(SASL_MECHANISMS)})",
+            )
+        elif mechanism not in SASL_MECHANISMS:
+            problem(
+                "kafka_sasl_mechanism",
+                f"Kafka SASL mechanism {mechanism!r} is not one of {', '.join(SASL_MECHANISMS)} "
+                "(see docs/publisher.md, Kafka security)",
+            )
+        if not config.kafka_sasl_username:
+            problem(
+                "kafka_sasl_username",
+                f"Kafka security protocol {protocol} needs a SASL username "
+                "(--kafka-sasl-username or OUTBOX_KAFKA_SASL_USERNAME)",
+            )
+        if config.kafka_sasl_password and config.kafka_sasl_password_file:
+            problem(
+                "kafka_sasl_password kafka_sasl_password_file",
+                "Kafka SASL password: set OUTBOX_KAFKA_SASL_PASSWORD or "
+                "--kafka-sasl-password-file, not both",
+            )
+        elif not config.kafka_sasl_password and not config.kafka_sasl_password_file:
+            problem(
+                "kafka_sasl_password kafka_sasl_password_file",
+                f"Kafka security protocol {protocol} needs a SASL password "
+                "(OUTBOX_KAFKA_SASL_PASSWORD, or --kafka-sasl-password-file FILE)",
+            )
+    else:
+        given = [
+            s.flag for s in SETTINGS if s.name.startswith("kafka_sasl_") and getattr(config, s.name)
+        ]
+        if given:
+            problem(
+                "kafka_security_protocol",
+                f"Kafka SASL settings ({', '.join(given)}) are set, but the security protocol is "
+                f"{protocol}: use SASL_SSL (or SASL_PLAINTEXT), or leave them out",
+            )
+    if not tls:
+        given = [
+            s.flag
+            for s in SETTINGS
+            if s.name.startswith("kafka_ssl_")
+            and s.name != "kafka_ssl_check_hostname"
+            and getattr(config, s.name)
+        ]
+        if given:
+            problem(
+                "kafka_security_protocol",
+                f"Kafka TLS settings ({', '.join(given)}) are set, but the security protocol is "
+                f"{protocol}: use SSL or SASL_SSL, or leave them out",
+            )
+    if bool(config.kafka_ssl_certfile) != bool(config.kafka_ssl_keyfile):
+        problem(
+            "kafka_ssl_certfile kafka_ssl_keyfile",
+            "Kafka TLS client certificate and key go together: set both "
+            "--kafka-ssl-certfile and --kafka-ssl-keyfile, or neither",
+        )
+    if config.kafka_ssl_key_password and config.kafka_ssl_key_password_file:
+        problem(
+            "kafka_ssl_key_password kafka_ssl_key_password_file",
+            "Kafka TLS key password: set OUTBOX_KAFKA_SSL_KEY_PASSWORD or "
+            "--kafka-ssl-key-password-file, not both",
+        )
+    for name in (
+        "kafka_sasl_password_file",
+        "kafka_ssl_cafile",
+        "kafka_ssl_certfile",
+        "kafka_ssl_keyfile",
+        "kafka_ssl_key_password_file",
+    ):
+        path = getattr(config, name)
+        if path and (trouble := _unreadable(path)):
+            problem(name, f"--{name.replace('_', '-')} {path}: {trouble}")
+    password_file = config.kafka_sasl_password_file
+    if password_file and not _unreadable(password_file) and not read_secret_file(password_file):
+        problem(
+            "kafka_sasl_password_file",
+            f"--kafka-sasl-password-file {config.kafka_sasl_password_file}: the file is empty",
+        )
+    return problems
+
+
+def _unreadable(path: str) -> str | None:
+    """Why ``path`` cannot be read as a file, or ``None``."""
+    try:
+        with Path(path).open("rb"):
+            return None
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+
+
+def read_secret_file(path: str) -> str:
+    """A secret kept in a file: its first line, without the line break (the rest is ignored)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return f.readline().rstrip("\r\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +491,7 @@ GROUPS = (
     "metrics and health over HTTP",
     "retention",
     "logs",
+    "Kafka security",
 )
 
 
@@ -358,6 +511,9 @@ class Setting:
     secret: bool = False
     #: Shown as the default in ``--help`` when the default is empty.
     unset: str = ""
+    #: False for a secret: it comes from the environment, the config file or
+    #: a file of its own, never from a flag (a flag's value shows in ``ps``).
+    has_flag: bool = True
     metavar: str | None = None
     #: Normalises text values (``info`` -> ``INFO``).
     normalise: str = field(default="", repr=False)
@@ -446,6 +602,33 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="LEVEL"),
     Setting("log_format", str, "text, or json for one JSON object per line", "logs",
             normalise="lower", metavar="FORMAT"),
+    Setting("kafka_security_protocol", str, "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL, for "
+            "every Kafka client the publisher opens", "Kafka security", normalise="upper",
+            metavar="PROTOCOL"),
+    Setting("kafka_sasl_mechanism", str, "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+            "Kafka security", normalise="upper", unset="none", metavar="MECHANISM"),
+    Setting("kafka_sasl_username", str, "SASL username", "Kafka security", unset="none",
+            metavar="NAME"),
+    Setting("kafka_sasl_password", str, "SASL password (no flag: it would show in ps)",
+            "Kafka security", secret=True, unset="none", has_flag=False),
+    Setting("kafka_sasl_password_file", str, "file whose first line is the SASL password "
+            "(or set OUTBOX_KAFKA_SASL_PASSWORD)", "Kafka security", unset="none",
+            metavar="FILE"),
+    Setting("kafka_ssl_cafile", str, "PEM file of the CAs that sign the brokers' certificates",
+            "Kafka security", unset="the system's CAs", metavar="FILE"),
+    Setting("kafka_ssl_certfile", str, "client certificate (PEM), for brokers that "
+            "authenticate clients by TLS", "Kafka security", unset="none", metavar="FILE"),
+    Setting("kafka_ssl_keyfile", str, "the client certificate's private key (PEM)",
+            "Kafka security", unset="none", metavar="FILE"),
+    Setting("kafka_ssl_key_password", str, "password of that key (no flag: it would show in ps)",
+            "Kafka security", secret=True, unset="none", has_flag=False),
+    Setting("kafka_ssl_key_password_file", str, "file whose first line is the key's password "
+            "(or set OUTBOX_KAFKA_SSL_KEY_PASSWORD)", "Kafka security", unset="none",
+            metavar="FILE"),
+    Setting("kafka_ssl_check_hostname", bool, "do not check that the broker's certificate names "
+            "the host connected to (weakens TLS: anyone with a certificate from the CA can pose "
+            "as the broker)", "Kafka security", flag_name="--no-kafka-ssl-check-hostname",
+            flag_sets=False),
 )  # fmt: skip
 
 #: The environment variable naming the config file (its flag is ``--config``).
@@ -533,6 +716,8 @@ def _toml_repr(value: object) -> str:
 
 
 def _shown(setting: Setting, value: str) -> str:
+    if setting.secret and not setting.name.endswith("_url"):
+        return "'***'"  # a bare secret, not a URL with a password in it
     return repr(redact(value) if setting.secret else value)
 
 
@@ -584,6 +769,8 @@ def resolve(
     flags: Mapping[str, str | bool],
     environ: Mapping[str, str],
     config_file: str | None = None,
+    *,
+    only: Collection[str] | None = None,
 ) -> PublisherConfig:
     """Merge the sources, flag > environment > file > default, and validate the result.
 
@@ -591,7 +778,10 @@ def resolve(
     value a boolean flag sets). An empty environment variable counts as
     unset. Raises ``ConfigError`` with every problem, one per line: values
     of the wrong type or form from any source, unknown file keys, and what
-    ``PublisherConfig.problems`` finds in the merged result.
+    ``PublisherConfig.problems`` finds in the merged result. With ``only``,
+    the other settings keep their defaults whatever the sources say (a
+    command that needs a few of the publisher's settings, such as
+    ``outbox-publisher reconcile``).
     """
     file = read_config_file(config_file) if config_file else ConfigFile()
     from_file = file.values
@@ -599,8 +789,13 @@ def resolve(
     values: dict[str, object] = {}
     bad: set[str] = set()
     for s in SETTINGS:
+        if only is not None and s.name not in only:
+            continue
         try:
-            if s.name in flags:
+            if s.name in flags and not s.has_flag:
+                problems.append(f"{s.name} has no flag (it is a secret): set {s.env}")
+                bad.add(s.name)
+            elif s.name in flags:
                 raw = flags[s.name]
                 values[s.name] = raw if isinstance(raw, bool) else _from_text(s, raw)
             elif environ.get(s.env, "").strip():

@@ -29,6 +29,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from kafka import errors as kafka_errors
 
 from publisher.config import WRITE_MARGIN_MS, ConfigError
+from publisher.kafka_security import LIBRDKAFKA_FIXED, refuse_fixed
 from publisher.outcomes import TopicMissing, TransactionEnd, from_librdkafka
 from publisher.sink import (
     InFlight,
@@ -160,6 +161,7 @@ class ConfluentSink:
     """
 
     def __init__(self, config: KafkaSinkConfig) -> None:
+        refuse_fixed(config.extra, LIBRDKAFKA_FIXED, "librdkafka")
         self._config = config
         #: Refuses, before any producer exists, a config that could write past a deadline.
         self._message_timeout_ms = message_timeout_ms(config)
@@ -193,6 +195,7 @@ class ConfluentSink:
                 "allow.auto.create.topics": c.allow_auto_create_topics,
                 "error_cb": self._on_error,
                 "logger": librdkafka_log,
+                **c.security.librdkafka(),
                 **c.extra,
                 # Each record is reported on within this, retries included,
                 # and none is written after its batch's write deadline (see

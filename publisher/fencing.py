@@ -16,6 +16,8 @@ from typing import Protocol
 
 from kafka import KafkaProducer
 
+from publisher.kafka_security import PLAINTEXT, KafkaSecurity
+
 
 class Fencer(Protocol):
     """Takes a transactional.id over, so that its earlier sessions can write nothing more."""
@@ -28,9 +30,16 @@ class Fencer(Protocol):
 class KafkaFencer:
     """Fences with a short-lived kafka-python producer per transactional.id."""
 
-    def __init__(self, bootstrap_servers: str, *, timeout_ms: int = 10_000) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        timeout_ms: int = 10_000,
+        security: KafkaSecurity = PLAINTEXT,
+    ) -> None:
         self._bootstrap_servers = bootstrap_servers
         self._timeout_ms = timeout_ms
+        self._security = security
 
     def fence(self, transactional_id: str) -> None:
         """``init_transactions`` under ``transactional_id``, within the timeout, then close."""
@@ -43,6 +52,7 @@ class KafkaFencer:
             # Else a broker that cannot be reached holds the fence (and the
             # loop that tries it) for kafka-python's default, 30 s.
             bootstrap_timeout_ms=self._timeout_ms,
+            **self._security.kafka_python(),
         )
         try:
             producer.init_transactions()

@@ -34,6 +34,7 @@ from typing import Any
 from kafka import KafkaAdminClient
 from kafka import errors as kafka_errors
 
+from publisher.kafka_security import PLAINTEXT, KafkaSecurity
 from publisher.service import BackgroundService
 
 log = logging.getLogger(__name__)
@@ -229,9 +230,16 @@ class KafkaProbe(BackgroundService):
 class KafkaClusterCheck:
     """A cheap question to the broker (describe the cluster), on an admin client kept open."""
 
-    def __init__(self, bootstrap_servers: str, *, timeout_ms: int = 5_000) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        timeout_ms: int = 5_000,
+        security: KafkaSecurity = PLAINTEXT,
+    ) -> None:
         self._bootstrap = bootstrap_servers
         self._timeout_ms = timeout_ms
+        self._security = security
         self._admin: Any = None
 
     def __call__(self) -> None:
@@ -243,6 +251,7 @@ class KafkaClusterCheck:
                     client_id="outbox-publisher-probe",
                     request_timeout_ms=self._timeout_ms,
                     bootstrap_timeout_ms=self._timeout_ms,
+                    **self._security.kafka_python(),
                 )
             self._admin.describe_cluster()
         except kafka_errors.ClusterAuthorizationFailedError:

@@ -29,8 +29,10 @@ from outbox.errors import OutboxError
 from outbox.operator import operator_name
 from outbox.states import State
 from outbox.status import read_status
+from publisher.config import SETTINGS, ConfigError, resolve
 from publisher.connector import connect
 from publisher.fencing import KafkaFencer
+from publisher.kafka_security import KafkaAuthenticationFailed, KafkaSecurity, check_login
 from publisher.reconciler import Reconciler
 from publisher.scanner import KafkaLogScanner
 from publisher.store import PublisherStore
@@ -42,10 +44,17 @@ EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
 EXIT_ERROR = 2
 
+#: The publisher's Kafka security settings, which this command takes too (same
+#: flags, environment variables and password files).
+_SECURITY_SETTINGS = tuple(s for s in SETTINGS if s.group == "Kafka security")
+#: How long the command waits for Kafka to accept its login.
+_LOGIN_TIMEOUT_MS = 15_000
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=COMMAND,
+        allow_abbrev=False,  # as outbox-publisher: no --kafka-sasl-password for the -file flag
         description="Move in-flight messages whose lease expired (by their evidence), then look "
         "for every uncertain message whose producer can no longer write in its Kafka partition: "
         "found -> delivered, proven absent -> pending, evidence gone -> escalated to you. "
@@ -72,12 +81,52 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds after a write deadline before a record's absence from Kafka is proof; "
         "at least the brokers' replica.lag.time.max.ms (default: 30)",
     )
+    security = parser.add_argument_group(
+        "Kafka security",
+        "as for outbox-publisher (docs/publisher.md, Kafka security); the passwords come from "
+        "OUTBOX_KAFKA_SASL_PASSWORD / OUTBOX_KAFKA_SSL_KEY_PASSWORD or their -file flags",
+    )
+    for s in _SECURITY_SETTINGS:
+        if not s.has_flag:
+            continue
+        if s.flag_sets is not None:
+            security.add_argument(
+                s.flag,
+                dest=s.name,
+                action="store_const",
+                const=s.flag_sets,
+                default=argparse.SUPPRESS,
+                help=f"{s.help} [{s.env}={str(s.flag_sets).lower()}]",
+            )
+        else:
+            security.add_argument(
+                s.flag,
+                dest=s.name,
+                metavar=s.metavar,
+                default=argparse.SUPPRESS,
+                help=f"{s.help} [{s.env}]",
+            )
     return parser
 
 
-def _reconcile(database_url: str, kafka_bootstrap: str, absence_grace: float) -> int:
+def _security(args: argparse.Namespace) -> KafkaSecurity:
+    """The Kafka security settings from the flags and the environment; ``ConfigError`` if wrong."""
+    given = {s.name: getattr(args, s.name) for s in _SECURITY_SETTINGS if hasattr(args, s.name)}
+    config = resolve(
+        {**given, "database_url": args.database_url, "kafka_bootstrap": args.kafka_bootstrap},
+        os.environ,
+        only={"database_url", "kafka_bootstrap", *(s.name for s in _SECURITY_SETTINGS)},
+    )
+    return KafkaSecurity.from_config(config)
+
+
+def _reconcile(
+    database_url: str, kafka_bootstrap: str, absence_grace: float, security: KafkaSecurity
+) -> int:
+    # Refused credentials end the command before anything is moved.
+    check_login(kafka_bootstrap, security, timeout_ms=_LOGIN_TIMEOUT_MS)
     store = PublisherStore(database_url, uuid.uuid4())
-    scanner = KafkaLogScanner(kafka_bootstrap)
+    scanner = KafkaLogScanner(kafka_bootstrap, security=security)
     try:
         moved = store.recover_expired_leases()
         to_pending = sum(1 for r in moved if r.state is State.PENDING)
@@ -90,7 +139,7 @@ def _reconcile(database_url: str, kafka_bootstrap: str, absence_grace: float) ->
             scanner,
             f"{operator_name()} ({COMMAND})",
             absence_grace=absence_grace,
-            fencer=KafkaFencer(kafka_bootstrap),
+            fencer=KafkaFencer(kafka_bootstrap, security=security),
         )
         while True:
             report = reconciler.run_once()
@@ -128,7 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.kafka_bootstrap:
         parser.error("no Kafka: pass --kafka-bootstrap or set OUTBOX_KAFKA_BOOTSTRAP")
     try:
-        return _reconcile(args.database_url, args.kafka_bootstrap, args.absence_grace)
+        security = _security(args)
+    except ConfigError as exc:
+        print(f"{COMMAND}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        return _reconcile(args.database_url, args.kafka_bootstrap, args.absence_grace, security)
+    except KafkaAuthenticationFailed as exc:
+        print(f"{COMMAND}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except psycopg.errors.UndefinedTable as exc:
         print(
             f"{COMMAND}: the outbox tables are missing ({exc}); run `outbox migrate`",

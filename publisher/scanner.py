@@ -19,6 +19,7 @@ from kafka import errors as kafka_errors
 from kafka.admin import ConfigResource, ConfigResourceType
 
 from outbox.intent import ID_HEADER
+from publisher.kafka_security import PLAINTEXT, KafkaSecurity
 
 #: A message id as the publisher writes it into the ``outbox-id`` header
 #: (``str(uuid)``: lowercase hex and hyphens), matched on the raw bytes.
@@ -148,8 +149,15 @@ class LogScanner(Protocol):
 class KafkaLogScanner:
     """Scans with a kafka-python consumer that belongs to no group and commits nothing."""
 
-    def __init__(self, bootstrap_servers: str, *, timeout_seconds: float = 60.0) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        timeout_seconds: float = 60.0,
+        security: KafkaSecurity = PLAINTEXT,
+    ) -> None:
         self._bootstrap_servers = bootstrap_servers
+        self._security = security
         self._timeout = timeout_seconds
         #: One consumer per isolation level (read_committed: True), opened on first use.
         self._open: dict[bool, KafkaConsumer] = {}
@@ -181,6 +189,7 @@ class KafkaLogScanner:
                 # the scan ran) must fail the scan. kafka-python's default
                 # would jump to the end of the log and read nothing more.
                 auto_offset_reset="none",
+                **self._security.kafka_python(),
             )
         return self._open[committed]
 
@@ -257,6 +266,7 @@ class KafkaLogScanner:
                 client_id="outbox-reconciler-admin",
                 request_timeout_ms=15_000,
                 bootstrap_timeout_ms=15_000,
+                **self._security.kafka_python(),
             )
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})
         described = self._admin.describe_configs([resource], config_filter="all")

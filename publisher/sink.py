@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka import errors as kafka_errors
 
+from publisher.kafka_security import KAFKA_PYTHON_FIXED, PLAINTEXT, KafkaSecurity, refuse_fixed
 from publisher.outcomes import FENCING_ERRORS, TopicMissing, TransactionEnd
 from publisher.socket_guard import SocketGuard, WriteDeadlinePassed
 
@@ -259,8 +260,13 @@ class KafkaSinkConfig:
     #: Transactional delivery: each producer session gets the transactional.id
     #: ``<prefix>-<n>`` (n counts the sessions); ``None``: idempotent delivery.
     transactional_id_prefix: str | None = None
+    #: TLS and SASL, for the producer and the sink's admin client.
+    security: KafkaSecurity = PLAINTEXT
     #: Passed to the producer as they are: kafka-python keyword arguments, or
     #: librdkafka properties for ``ConfluentSink``, which takes this config too.
+    #: A setting the publisher fixes (acks, idempotence, timeouts, security:
+    #: ``publisher.kafka_security``) is refused with ``ConfigError`` when the
+    #: sink is built.
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -272,6 +278,7 @@ class KafkaSink:
     """
 
     def __init__(self, config: KafkaSinkConfig) -> None:
+        refuse_fixed(config.extra, KAFKA_PYTHON_FIXED, "kafka-python")
         self._config = config
         self._producer: Any = None
         #: Keeps the current producer from writing past its batch's write deadline.
@@ -302,6 +309,7 @@ class KafkaSink:
                 allow_auto_create_topics=c.allow_auto_create_topics,
                 transactional_id=transactional_id,
                 **(_TRANSACTIONAL_SETTINGS if transactional_id is not None else {}),
+                **c.security.kafka_python(),
                 **c.extra,
             )
             # kafka-python 3.0 does not pass allow_auto_create_topics on to the
@@ -390,6 +398,7 @@ class KafkaSink:
             request_timeout_ms=self._config.request_timeout_ms,
             # Not kafka-python's 30 s to find a broker: the loop waits on this.
             bootstrap_timeout_ms=self._config.request_timeout_ms,
+            **self._config.security.kafka_python(),
         )
         try:
             return set(admin.list_topics())

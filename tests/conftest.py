@@ -25,6 +25,7 @@ import pytest
 from psycopg import sql
 
 from outbox.migrations import migrate
+from tests.secure_kafka import SecureKafka
 from tests.support import create_topic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +149,20 @@ def database_url(services: Services, template_database: str) -> Iterator[str]:
 def outbox_database_url(database_url: str) -> str:
     """The database ``outbox.testing``'s fixture reads: the test's own."""
     return database_url
+
+
+@pytest.fixture(scope="session")
+def secure_kafka(services: Services) -> SecureKafka:
+    """The broker's SASL_SSL listener (SCRAM, TLS with a test CA) that ``services/up`` starts.
+
+    Skipped when the services run without one (``OUTBOX_KAFKA_SASL_PORT=0``,
+    external services that name none, or a data directory formatted before
+    the listener existed: ``services/up`` says so).
+    """
+    found = SecureKafka.from_env({**_from_services_env(), **os.environ})
+    if found is None:
+        pytest.skip("the services have no SASL_SSL listener (OUTBOX_SECURE_KAFKA_* unset)")
+    return found
 
 
 @pytest.fixture

@@ -1,0 +1,192 @@
+"""Kafka security settings: validation, secrets kept out of sight, one mapping per library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from publisher.cli import _parser, config_from_args
+from publisher.config import ConfigError, PublisherConfig, resolve
+from publisher.kafka_security import (
+    KAFKA_PYTHON_FIXED,
+    LIBRDKAFKA_FIXED,
+    KafkaSecurity,
+    refuse_fixed,
+)
+from publisher.sink import KafkaSink, KafkaSinkConfig
+
+SECRET = "s3cret-Pa55"  # noqa: S105 - a test value, checked to appear nowhere
+BASE = {"OUTBOX_DATABASE_URL": "postgresql://u@h/db", "OUTBOX_KAFKA_BOOTSTRAP": "k:9093"}
+
+
+def _sasl_env(**more: str) -> dict[str, str]:
+    return {
+        **BASE,
+        "OUTBOX_KAFKA_SECURITY_PROTOCOL": "sasl_ssl",
+        "OUTBOX_KAFKA_SASL_MECHANISM": "scram-sha-512",
+        "OUTBOX_KAFKA_SASL_USERNAME": "outbox",
+        **more,
+    }
+
+
+def test_defaults_are_plaintext_with_hostname_checks_on() -> None:
+    """Without settings the clients speak PLAINTEXT; TLS would check the broker's name."""
+    config = resolve({}, BASE)
+    security = KafkaSecurity.from_config(config)
+    assert security.kafka_python() == {"security_protocol": "PLAINTEXT"}
+    assert security.librdkafka() == {"security.protocol": "plaintext"}
+    assert config.kafka_ssl_check_hostname is True
+
+
+def test_sasl_ssl_from_environment_maps_to_both_libraries(tmp_path: Path) -> None:
+    """The same settings become kafka-python arguments and librdkafka properties."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("CA")
+    config = resolve(
+        {}, _sasl_env(OUTBOX_KAFKA_SASL_PASSWORD=SECRET, OUTBOX_KAFKA_SSL_CAFILE=str(ca))
+    )
+    security = KafkaSecurity.from_config(config)
+    assert security.kafka_python() == {
+        "security_protocol": "SASL_SSL",
+        "ssl_check_hostname": True,
+        "ssl_cafile": str(ca),
+        "ssl_certfile": None,
+        "ssl_keyfile": None,
+        "ssl_password": None,
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "outbox",
+        "sasl_plain_password": SECRET,
+    }
+    assert security.librdkafka() == {
+        "security.protocol": "sasl_ssl",
+        "ssl.endpoint.identification.algorithm": "https",
+        "ssl.ca.location": str(ca),
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "outbox",
+        "sasl.password": SECRET,
+    }
+
+
+def test_password_file_is_read_and_never_shown(tmp_path: Path) -> None:
+    """The password comes from the first line of its file; no repr shows it."""
+    secret_file = tmp_path / "password"
+    secret_file.write_text(SECRET + "\nignored\n")
+    config = resolve({"kafka_sasl_password_file": str(secret_file)}, _sasl_env())
+    security = KafkaSecurity.from_config(config)
+    assert security.sasl_password == SECRET
+    assert SECRET not in repr(security)
+    assert SECRET not in repr(resolve({}, _sasl_env(OUTBOX_KAFKA_SASL_PASSWORD=SECRET)))
+
+
+def test_there_is_no_password_flag() -> None:
+    """A password flag would show in ps: argparse knows none, for SASL nor for the TLS key."""
+    flags = {a for action in _parser()._actions for a in action.option_strings}
+    assert "--kafka-sasl-password-file" in flags
+    assert "--kafka-sasl-password" not in flags
+    assert "--kafka-ssl-key-password" not in flags
+    # Nor is it taken as an abbreviation of --kafka-sasl-password-file.
+    with pytest.raises(SystemExit):
+        config_from_args(["--kafka-sasl-password", SECRET], environ=BASE)
+
+
+def test_sasl_without_its_settings_names_each_missing_one() -> None:
+    """SASL_SSL without mechanism, user or password: every gap is named, in one refusal."""
+    with pytest.raises(ConfigError) as refused:
+        resolve({}, {**BASE, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"})
+    text = str(refused.value)
+    assert "needs a SASL mechanism" in text
+    assert "needs a SASL username" in text
+    assert (
+        "needs a SASL password (OUTBOX_KAFKA_SASL_PASSWORD, or --kafka-sasl-password-file" in text
+    )
+
+
+def test_unknown_protocol_and_mechanism_are_refused() -> None:
+    """OAUTHBEARER and GSSAPI are not settings here; a typo'd protocol is refused."""
+    with pytest.raises(ConfigError, match="'SASL_TLS' is not one of PLAINTEXT, SSL"):
+        resolve({}, {**BASE, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "sasl_tls"})
+    with pytest.raises(ConfigError, match="'OAUTHBEARER' is not one of PLAIN, SCRAM-SHA-256"):
+        resolve(
+            {},
+            _sasl_env(OUTBOX_KAFKA_SASL_MECHANISM="oauthbearer", OUTBOX_KAFKA_SASL_PASSWORD="x"),  # noqa: S106
+        )
+
+
+def test_secret_errors_never_repeat_the_secret(tmp_path: Path) -> None:
+    """Both a password and a password file given: refused, and the message hides the value."""
+    secret_file = tmp_path / "password"
+    secret_file.write_text(SECRET)
+    with pytest.raises(ConfigError) as refused:
+        resolve(
+            {"kafka_sasl_password_file": str(secret_file)},
+            _sasl_env(OUTBOX_KAFKA_SASL_PASSWORD=SECRET),
+        )
+    assert "not both" in str(refused.value)
+    assert SECRET not in str(refused.value)
+
+
+def test_settings_for_another_protocol_are_refused_not_ignored(tmp_path: Path) -> None:
+    """SASL or TLS settings with PLAINTEXT would silently not be used: refused instead."""
+    with pytest.raises(ConfigError) as refused:
+        resolve({"kafka_sasl_username": "u", "kafka_ssl_cafile": str(tmp_path)}, BASE)
+    text = str(refused.value)
+    assert "--kafka-sasl-username) are set, but the security protocol is PLAINTEXT" in text
+    assert "--kafka-ssl-cafile) are set, but the security protocol is PLAINTEXT" in text
+
+
+def test_unreadable_files_are_named_at_start(tmp_path: Path) -> None:
+    """A CA file or password file that cannot be read is a configuration error naming it."""
+    missing = tmp_path / "nope.pem"
+    with pytest.raises(ConfigError) as refused:
+        resolve(
+            {"kafka_ssl_cafile": str(missing), "kafka_sasl_password_file": str(missing)},
+            _sasl_env(),
+        )
+    assert f"--kafka-ssl-cafile {missing}: cannot be read" in str(refused.value)
+    assert f"--kafka-sasl-password-file {missing}: cannot be read" in str(refused.value)
+
+
+def test_hostname_checks_turn_off_only_on_purpose() -> None:
+    """--no-kafka-ssl-check-hostname turns them off, and librdkafka hears the same."""
+    config = config_from_args(
+        ["--no-kafka-ssl-check-hostname"],
+        environ={**BASE, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SSL"},
+    )
+    security = KafkaSecurity.from_config(config)
+    assert security.kafka_python()["ssl_check_hostname"] is False
+    assert security.librdkafka()["ssl.endpoint.identification.algorithm"] == "none"
+
+
+@pytest.mark.parametrize(
+    "key", ["acks", "enable_idempotence", "max_in_flight_requests_per_connection", "retries"]
+)
+def test_kafka_sink_refuses_extras_that_weaken_delivery(key: str) -> None:
+    """kafka-python extras may not override what delivery relies on: refused, naming the key."""
+    with pytest.raises(ConfigError, match=f"kafka-python setting '{key}' cannot be set"):
+        KafkaSink(KafkaSinkConfig("k:9092", extra={key: 1}))
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["acks", "enable.idempotence", "transactional.id", "max.in.flight", "sasl.password"],
+)
+def test_librdkafka_extras_that_weaken_delivery_or_security_are_refused(key: str) -> None:
+    """The confluent sink's extras are checked against librdkafka's names (and aliases)."""
+    with pytest.raises(ConfigError, match=f"librdkafka setting '{key}' cannot be set"):
+        refuse_fixed({key: "x", "compression.type": "lz4"}, LIBRDKAFKA_FIXED, "librdkafka")
+
+
+def test_harmless_extras_pass() -> None:
+    """Compression and the like stay free to set."""
+    refuse_fixed({"compression_type": "gzip"}, KAFKA_PYTHON_FIXED, "kafka-python")
+    refuse_fixed({"compression.type": "lz4"}, LIBRDKAFKA_FIXED, "librdkafka")
+    assert KafkaSink(KafkaSinkConfig("k:9092", extra={"compression_type": "gzip"}))
+
+
+def test_config_repr_hides_both_passwords() -> None:
+    """Neither password field appears in a config's repr (logged by mistake, it shows none)."""
+    config = PublisherConfig(
+        "postgresql://u@h/db", "k:1", kafka_sasl_password=SECRET, kafka_ssl_key_password=SECRET
+    )
+    assert SECRET not in repr(config)
