@@ -34,7 +34,12 @@ from outbox.operator import (
     retry,
     retry_quarantined,
 )
-from outbox.redaction import check_conninfo, connect_errors_redacted, scrub
+from outbox.redaction import (
+    SecretSafeArgumentParser,
+    check_conninfo,
+    connect_errors_redacted,
+    scrub,
+)
 from outbox.retention import DEFAULT_BATCH_SIZE, DEFAULT_EVIDENCE_AGE, parse_duration, purge
 from outbox.roles import RoleNames, create_roles, granted_roles
 from outbox.states import State
@@ -69,7 +74,7 @@ def _duration(text: str) -> timedelta:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SecretSafeArgumentParser(
         prog="outbox",
         description="Inspect and maintain the transactional outbox in PostgreSQL.",
         epilog="Start with `outbox status`: it names what needs you and the next safe action. "

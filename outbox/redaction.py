@@ -25,11 +25,13 @@ connection error is scrubbed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
+from typing import NoReturn
 from urllib.parse import unquote
 
 import psycopg
@@ -229,3 +231,22 @@ def check_conninfo(conninfo: str) -> None:
     """Raise ``DatabaseURLError`` when libpq cannot parse ``conninfo`` (before connecting)."""
     with connect_errors_redacted(conninfo):
         conninfo_to_dict(conninfo)
+
+
+class SecretSafeArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors never repeat a value the user typed.
+
+    argparse echoes unrecognized arguments ("unrecognized arguments:
+    --kafka-sasl-password s3cret"): a secret typed after a mistyped or
+    non-existent flag would reach the terminal and the logs. Here only the
+    option names of such arguments are shown; every other word is ``...``.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print the usage and the message, values of unrecognized arguments left out."""
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix) :].split()
+            shown = [w.split("=", 1)[0] if w.startswith("-") else "..." for w in words]
+            message = prefix + " ".join(shown)
+        super().error(message)

@@ -25,6 +25,7 @@ from types import FrameType
 
 from prometheus_client import disable_created_metrics
 
+from outbox.redaction import SecretSafeArgumentParser
 from publisher.app import build_app
 from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, PublisherConfig, resolve
 from publisher.faults import Faults, FaultSpecError
@@ -41,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     Values stay text here: ``resolve`` converts them, so that a malformed
     flag is reported with every other problem instead of alone.
     """
-    p = argparse.ArgumentParser(
+    p = SecretSafeArgumentParser(
         prog="outbox-publisher",
         # No abbreviations: --kafka-sasl-password would otherwise be taken for
         # --kafka-sasl-password-file, and a password typed there treated as a path.

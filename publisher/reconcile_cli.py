@@ -27,6 +27,7 @@ from kafka.errors import KafkaError
 
 from outbox.errors import OutboxError
 from outbox.operator import operator_name
+from outbox.redaction import SecretSafeArgumentParser
 from outbox.states import State
 from outbox.status import read_status
 from publisher.config import SETTINGS, ConfigError, resolve
@@ -52,7 +53,7 @@ _LOGIN_TIMEOUT_MS = 15_000
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SecretSafeArgumentParser(
         prog=COMMAND,
         allow_abbrev=False,  # as outbox-publisher: no --kafka-sasl-password for the -file flag
         description="Move in-flight messages whose lease expired (by their evidence), then look "

@@ -190,3 +190,16 @@ def test_config_repr_hides_both_passwords() -> None:
         "postgresql://u@h/db", "k:1", kafka_sasl_password=SECRET, kafka_ssl_key_password=SECRET
     )
     assert SECRET not in repr(config)
+
+
+def test_a_secret_typed_after_a_flag_that_does_not_exist_is_not_echoed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """There is no password flag; argparse would echo the unrecognized words, the secret
+    among them: only the option's name is shown."""
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(["--kafka-sasl-password", "s3cret-typed", "--pw=other-s3cret"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --kafka-sasl-password ... --pw" in err
+    assert "s3cret" not in err
