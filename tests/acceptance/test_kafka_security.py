@@ -18,12 +18,17 @@ import psycopg
 import pytest
 
 import outbox
+from publisher.faults import CRASH_EXIT_CODE
 from publisher.health import KafkaClusterCheck
 from publisher.kafka_security import KafkaSecurity
 from tests.secure_kafka import SecureKafka
 from tests.support import (
+    LONG_ABSENCE_GRACE,
     SINKS,
+    assert_each_read_once,
     count_by_state,
+    fast_publisher_flags,
+    fault_env,
     fetch_rows,
     make_uncertain,
     read_topic,
@@ -219,3 +224,40 @@ def test_wrong_password_stops_reconcile_at_once_with_one_line(
     )
     assert count_by_state(database_url) == {"uncertain": 1}
     _assert_no_secret(secure_kafka, result.stdout, result.stderr)
+
+
+def test_a_crash_mid_transaction_is_recovered_over_sasl_ssl(
+    database_url: str, kafka_bootstrap: str, topic: str, secure_kafka: SecureKafka
+) -> None:
+    """A transactional publisher dies with its batch acknowledged but not committed; a
+    fresh one, over SASL_SSL too, recovers it: the fence (init_transactions under the dead
+    session's transactional.id) and the read_committed scan log in like the producer, the
+    batch is proven absent and sent again, and every message is read once."""
+    ids = _enqueue(database_url, topic, 20)
+    flags = (*fast_publisher_flags(10), "--delivery", "transactional")
+    flags += ("--absence-grace", f"{LONG_ABSENCE_GRACE:g}")
+    crashed = start_publisher(
+        database_url,
+        secure_kafka.bootstrap,
+        *flags,
+        env={**secure_kafka.publisher_env(), **fault_env(crash_at="after_ack:1")},
+    )
+    _, crash_stderr = crashed.communicate(timeout=120)
+    assert crashed.returncode == CRASH_EXIT_CODE, crash_stderr[-3000:]
+
+    finisher = start_publisher(
+        database_url,
+        secure_kafka.bootstrap,
+        *flags,
+        "--exit-when-idle",
+        env=secure_kafka.publisher_env(),
+    )
+    stdout, stderr = finisher.communicate(timeout=180)
+    assert finisher.returncode == 0, stderr[-3000:]
+    assert count_by_state(database_url) == {"delivered": 20}
+    assert_each_read_once(database_url, kafka_bootstrap, topic, ids, committed=True)
+    decided = dict(
+        fetch_rows(database_url, "SELECT to_state, count(*) FROM outbox.decisions GROUP BY 1")
+    )
+    assert decided == {"pending": 10}  # the crashed batch: fenced, absent, sent again
+    _assert_no_secret(secure_kafka, crash_stderr, stdout, stderr)
