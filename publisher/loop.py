@@ -56,6 +56,7 @@ from publisher.outcomes import (
     TransactionEnd,
     after_transaction,
     classify,
+    counts_as_failure,
     retry_delay,
 )
 from publisher.partitioning import partition_for
@@ -149,6 +150,9 @@ class Publisher:
         self._transaction_open = False
         #: Failure class of each message of the batch in hand that was not delivered.
         self._failure_class: dict[uuid.UUID, str] = {}
+        #: Batches in a row that the broker could not take (an outage) and that
+        #: delivered nothing: the loop backs off by this count (``_outage_pause``).
+        self._outages = 0
         #: What ``/healthz`` and ``/readyz`` answer from.
         self.health = Health(
             stall_seconds=config.stall_seconds,
@@ -230,6 +234,7 @@ class Publisher:
                     self.maintain()
                     if self.run_once():
                         self.health.database.succeeded()
+                        self._outage_pause()
                         continue
                     wait = self._idle_wait()
                     self.health.database.succeeded()
@@ -313,6 +318,28 @@ class Publisher:
         self.metrics.batch_seconds.observe(max(self._clock() - started, 0.0))
         self.faults.reached("after_confirm")
         return sum(len(b.messages) for b in in_hand)
+
+    def _outage_pause(self) -> None:
+        """After a batch the broker could not take, wait before claiming again.
+
+        Its messages are pending again, due at once and with no failure
+        counted (``counts_as_failure``): the backoff of an outage is the
+        loop's. Exponential with full jitter over the batches in a row that
+        met it, capped by ``--retry-cap-seconds``; ended early by a stop.
+        The loop keeps turning (for ``/healthz``) while it waits.
+        """
+        if not self._outages:
+            return
+        pause = retry_delay(
+            self._outages,
+            base_seconds=self.config.retry_base_seconds,
+            cap_seconds=self.config.retry_cap_seconds,
+        )
+        log.info("the broker is unavailable; next claim in %.1fs", pause)
+        resume_at = self._clock() + pause
+        while not self._stopping.is_set() and (left := resume_at - self._clock()) > 0:
+            self.health.loop_turned()
+            self._stopping.wait(min(left, self.config.poll_interval))
 
     def held_batches(self) -> list[int]:
         """The batches this loop still works on: the heartbeat renews only their leases."""
@@ -749,7 +776,23 @@ class Publisher:
                 outcome = ended
                 failure_class = outcome.value
         retry_after = 0.0
-        if outcome is SendOutcome.NOT_WRITTEN and m.failures + 1 >= self.config.max_attempts:
+        counted = counts_as_failure(outcome, report.error)
+        if outcome is SendOutcome.NOT_WRITTEN and not counted:
+            # The broker could not be reached or could not take it now: that
+            # says nothing about the message, so a broker outage never
+            # exhausts --max-attempts. It waits out a backoff that grows with
+            # its attempts; its first one records a single failure, because
+            # the claim holds later messages of a key back only behind a
+            # failed one (else they would overtake it while it waits), and
+            # outages never add more. The loop backs off too (``_outage_pause``).
+            failure_class = OUTAGE
+            counted = m.failures == 0
+            retry_after = retry_delay(
+                m.attempt,
+                base_seconds=self.config.retry_base_seconds,
+                cap_seconds=self.config.retry_cap_seconds,
+            )
+        elif outcome is SendOutcome.NOT_WRITTEN and m.failures + 1 >= self.config.max_attempts:
             outcome = SendOutcome.NON_RETRIABLE
             failure_class = "attempts_exhausted"
             error = f"gave up after {m.failures + 1} attempts; last: {error}"
@@ -771,7 +814,7 @@ class Publisher:
             retry_after=retry_after,
             error=error,
             send_began=report.handed_to_producer,
-            counts_as_failure=shared or outcome is SendOutcome.NOT_WRITTEN,
+            counts_as_failure=shared or counted,
             send_alone=shared,
         )
 
@@ -850,6 +893,10 @@ class Publisher:
             elif s.state is State.QUARANTINED:
                 t.quarantined += 1
                 self._message_log(message, batch.id).error("quarantined: %s", s.error)
+        if delivered:
+            self._outages = 0
+        elif any(self._failure_class.get(s.message_id) == OUTAGE for s in settlements):
+            self._outages += 1
         for topic, n in delivered.items():
             m.deliveries.labels(topic).inc(n)
         if delivered:
@@ -1003,6 +1050,9 @@ def _done(batch: Batch | None) -> Future[Batch | None]:
     future.set_result(batch)
     return future
 
+
+#: The failure class of a message given back because the broker was unavailable.
+OUTAGE = "broker_unavailable"
 
 HELD_BACK = "not sent: an earlier message of its key in the batch was not delivered"
 HAND_OVER_CLOSED = (

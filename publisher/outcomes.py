@@ -108,6 +108,11 @@ class TopicMissing(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-pyth
 class LibrdkafkaError(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-python is untyped
     """One of librdkafka's own (local, negative-coded) errors, named as librdkafka names it."""
 
+    def __init__(self, text: str, name: str = "") -> None:
+        super().__init__(text)
+        #: librdkafka's name of the error (``_TRANSPORT``, ``_MSG_TIMED_OUT``...).
+        self.name = name
+
 
 # Errors that say the record cannot be applied as it is. Returned for a record
 # that the broker rejected as a whole, they also prove it was not appended.
@@ -125,6 +130,73 @@ _CONTENT_ERRORS: tuple[type[BaseException], ...] = (
     kafka_errors.TopicAuthorizationFailedError,
     kafka_errors.PolicyViolationError,
 )
+
+
+# Errors that say the broker (or the cluster) could not take the record now,
+# whatever the record is: no broker to talk to, a connection that failed, no
+# answer in time (kafka-python's KafkaTimeoutError on a metadata wait or a
+# full buffer, a request that timed out), no leader for the partition, too few
+# replicas in sync, metadata not known yet. They say nothing about the content.
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.NodeNotReadyError,
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.RequestTimedOutError,
+    kafka_errors.NotLeaderForPartitionError,
+    kafka_errors.LeaderNotAvailableError,
+    kafka_errors.BrokerNotAvailableError,
+    kafka_errors.NotEnoughReplicasError,
+    kafka_errors.UnknownTopicOrPartitionError,
+    kafka_errors.StaleMetadata,
+    kafka_errors.NotControllerError,
+    kafka_errors.CoordinatorNotAvailableError,
+    ConnectionError,
+    TimeoutError,
+)
+
+#: librdkafka's own errors that say the cluster could not be reached in time.
+_LIBRDKAFKA_OUTAGES = frozenset(
+    {
+        "_TRANSPORT",
+        "_ALL_BROKERS_DOWN",
+        "_TIMED_OUT",
+        "_MSG_TIMED_OUT",
+        "_QUEUE_FULL",
+        "_RESOLVE",
+        "_WAIT_COORD",
+        "_LEADER_NOT_AVAILABLE",
+        "_NOT_LEADER_FOR_PARTITION",
+    }
+)
+
+
+def is_outage(error: BaseException | None) -> bool:
+    """Whether ``error`` says the broker was unreachable or unavailable, not that the record is bad.
+
+    A record given back for such a reason goes back to pending without a
+    failure counted: a broker outage, however long, never exhausts
+    ``--max-attempts`` (which counts only what may be the record's fault).
+    Besides the errors listed above, any error kafka-python marks as
+    retriable (the broker may take the same record later) counts, except the
+    content errors; an unknown error does not (it may be the record's).
+    """
+    if error is None or isinstance(error, (*_CONTENT_ERRORS, TypeError, ValueError)):
+        return False
+    if isinstance(error, LibrdkafkaError):
+        return error.name in _LIBRDKAFKA_OUTAGES
+    if isinstance(error, _OUTAGE_ERRORS):
+        return True
+    return isinstance(error, kafka_errors.KafkaError) and bool(getattr(error, "retriable", False))
+
+
+def counts_as_failure(outcome: SendOutcome, error: BaseException | None) -> bool:
+    """Whether an outcome counts toward ``--max-attempts`` (``messages.failures``).
+
+    Only a record not written for a reason that may be its own counts: an
+    outage (``is_outage``) does not, nor does a confirmed or uncertain one
+    (a refusal shared by several records is counted by the loop, which knows).
+    """
+    return outcome is SendOutcome.NOT_WRITTEN and not is_outage(error)
 
 
 def classify(error: BaseException | None, *, handed_to_producer: bool) -> SendOutcome:
@@ -178,7 +250,7 @@ def from_librdkafka(code: int, name: str, reason: str) -> BaseException:
     if code > 0:
         error: BaseException = kafka_errors.for_code(code)(text)
         return error
-    return LibrdkafkaError(text)
+    return LibrdkafkaError(text, name)
 
 
 def retry_delay(

@@ -39,6 +39,10 @@ from publisher.waker import Waker
 
 CONFIG = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
 
+#: A record the producer did not take, for a reason that is not an outage:
+#: it counts as a failure toward --max-attempts.
+_NOT_TAKEN = kafka_errors.IllegalStateError("the producer refused the record")
+
 
 class FakeStore(PublisherStore):
     """A PublisherStore that never connects: claims come from a list, settles are recorded."""
@@ -280,9 +284,7 @@ def test_run_once_settles_every_outcome_in_batch_order() -> None:
     ok, refused, unknown, too_large = (_message(attempt=2, key=f"k{i}".encode()) for i in range(4))
     _, store, sink, publisher = _setup(ok, refused, unknown, too_large)
     sink.reports = {
-        refused.id: SendReport(
-            None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
-        ),
+        refused.id: SendReport(None, None, _NOT_TAKEN, handed_to_producer=False),
         unknown.id: SendReport(
             None, None, kafka_errors.KafkaTimeoutError("Expiring 1 record(s)"), True
         ),
@@ -314,7 +316,7 @@ def test_run_once_settles_every_outcome_in_batch_order() -> None:
     # Backoff of attempt 2: full jitter in (0, base * 2].
     assert 0 < pending.retry_after <= CONFIG.retry_base_seconds * 2
     assert pending.error is not None
-    assert pending.error.startswith("KafkaTimeoutError: ")
+    assert pending.error.startswith("IllegalStateError: ")
     assert uncertain.retry_after == 0.0
     assert uncertain.offset is None
     assert uncertain.partition == partition_for(unknown.key, unknown.id, 3)
@@ -407,6 +409,7 @@ def test_a_topic_that_cannot_be_described_is_not_sent_but_others_are() -> None:
             None,
         )
         assert s.retry_after > 0
+        assert s.counts_as_failure is True  # its first: its key stays held while it waits
         assert s.error is not None
         assert "UnknownTopicOrPartitionError" in s.error
     assert settled[a.id].state is State.DELIVERED
@@ -595,9 +598,7 @@ def test_a_message_refused_on_a_very_late_attempt_is_still_settled() -> None:
     store = FakeStore(events, [_batch(late)])
     sink = FakeSink(events)
     publisher = _publisher(store, sink, replace(CONFIG, max_attempts=10_000))
-    sink.reports[late.id] = SendReport(
-        None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
-    )
+    sink.reports[late.id] = SendReport(None, None, _NOT_TAKEN, handed_to_producer=False)
 
     publisher.run_once()
 
@@ -614,9 +615,7 @@ def test_a_message_not_written_at_max_attempts_is_quarantined(attempt: int, stat
     store = FakeStore(events, [_batch(message)])
     sink = FakeSink(events)
     publisher = _publisher(store, sink, replace(CONFIG, max_attempts=5))
-    sink.reports[message.id] = SendReport(
-        None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), handed_to_producer=False
-    )
+    sink.reports[message.id] = SendReport(None, None, _NOT_TAKEN, handed_to_producer=False)
 
     publisher.run_once()
 
@@ -624,7 +623,7 @@ def test_a_message_not_written_at_max_attempts_is_quarantined(attempt: int, stat
     assert settlement.state is state
     if state is State.QUARANTINED:
         assert settlement.error is not None
-        assert settlement.error.startswith("gave up after 5 attempts; last: KafkaTimeoutError")
+        assert settlement.error.startswith("gave up after 5 attempts; last: IllegalStateError")
         assert settlement.retry_after == 0
 
 
@@ -1016,3 +1015,89 @@ def test_a_content_refusal_several_records_got_pins_it_on_none_of_them() -> None
         (State.UNCERTAIN, True, True)
     ] * 2
     assert all("not attributable" in (s.error or "") for s in settled)
+
+
+def _settle_forward(message: ClaimedMessage, settlement: Settlement) -> ClaimedMessage:
+    """The message as the next claim returns it, after ``settlement`` was recorded."""
+    return replace(
+        message,
+        fence=message.fence + 1,
+        attempt=message.attempt + 1,
+        failures=message.failures + settlement.counts_as_failure,
+        send_alone=settlement.send_alone,
+    )
+
+
+@pytest.mark.parametrize(
+    "outage",
+    [
+        kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs."),
+        kafka_errors.KafkaConnectionError("connection refused"),
+        kafka_errors.NotLeaderForPartitionError(),
+        kafka_errors.LeaderNotAvailableError(),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_long_broker_outage_never_quarantines_but_a_content_refusal_still_does(
+    outage: BaseException,
+) -> None:
+    """Hundreds of outage outcomes leave a message pending with no failure; a refusal counts."""
+    config = replace(CONFIG, max_attempts=3)
+    message = _message(attempt=1)
+    events: list[str] = []
+    store = FakeStore(events)
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, config)
+    for _ in range(200):
+        store.batches.append(_batch(message))
+        sink.reports[message.id] = SendReport(None, None, outage, handed_to_producer=False)
+        publisher.run_once()
+        (settlement,) = store.settled[-1]
+        assert settlement.state is State.PENDING
+        assert 0 <= settlement.retry_after <= config.retry_cap_seconds
+        message = _settle_forward(message, settlement)
+    # One failure at most, so that the key stays held while the message waits.
+    assert message.failures == 1
+    assert publisher._outages == 200
+
+    # A refusal that may be the message's own counts, and exhausts the attempts.
+    states = []
+    for _ in range(2):
+        store.batches.append(_batch(message))
+        sink.reports[message.id] = SendReport(None, None, _NOT_TAKEN, handed_to_producer=False)
+        publisher.run_once()
+        (settlement,) = store.settled[-1]
+        states.append(settlement.state)
+        message = _settle_forward(message, settlement)
+    assert states == [State.PENDING, State.QUARANTINED]
+
+    # A content refusal by the broker quarantines at once, outages or not.
+    refused = _message(attempt=500)
+    store.batches.append(_batch(refused))
+    sink.reports[refused.id] = SendReport(
+        None, None, kafka_errors.MessageSizeTooLargeError(), handed_to_producer=True
+    )
+    publisher.run_once()
+    (settlement,) = store.settled[-1]
+    assert settlement.state is State.QUARANTINED
+
+
+def test_the_loop_backs_off_after_outages_and_resets_once_something_is_delivered() -> None:
+    """The pause after outage batches grows with them, and a delivery ends it."""
+    message = _message()
+    events: list[str] = []
+    store = FakeStore(events, [_batch(message), _batch(message)])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink)
+    sink.reports[message.id] = SendReport(
+        None, None, kafka_errors.KafkaConnectionError("refused"), handed_to_producer=False
+    )
+    publisher.run_once()
+    publisher.run_once()
+    assert publisher._outages == 2
+
+    del sink.reports[message.id]
+    store.batches.append(_batch(message))
+    publisher.run_once()
+    assert publisher._outages == 0
+    assert [s.state for s in store.settled[-1]] == [State.DELIVERED]

@@ -144,7 +144,7 @@ def test_a_batch_counts_deliveries_failures_by_class_and_latencies() -> None:
     )
     _, _, sink, publisher = _setup(ok, refused, unknown, too_large)
     sink.reports = {
-        refused.id: SendReport(None, None, kafka_errors.KafkaTimeoutError("max_block_ms"), False),
+        refused.id: SendReport(None, None, kafka_errors.IllegalStateError("closed"), False),
         unknown.id: SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True),
         too_large.id: SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True),
     }
@@ -175,7 +175,7 @@ def test_a_message_that_ran_out_of_attempts_counts_as_attempts_exhausted() -> No
     publisher = _publisher(
         FakeStore(events, [_batch(message)]), sink, replace(CONFIG, max_attempts=5)
     )
-    sink.reports[message.id] = SendReport(None, None, kafka_errors.KafkaTimeoutError("x"), False)
+    sink.reports[message.id] = SendReport(None, None, kafka_errors.IllegalStateError("x"), False)
 
     publisher.run_once()
 

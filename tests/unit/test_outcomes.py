@@ -16,10 +16,14 @@ from outbox.states import State
 from publisher.outcomes import (
     ATTEMPT_OUTCOME,
     NEXT_STATE,
+    LibrdkafkaError,
     SendOutcome,
     TransactionEnd,
     after_transaction,
     classify,
+    counts_as_failure,
+    from_librdkafka,
+    is_outage,
     retry_delay,
 )
 
@@ -242,3 +246,73 @@ def test_a_records_outcome_after_its_transaction_ended(
 ) -> None:
     """Aborted: nothing visible was written; unknown: a confirmation proves nothing yet."""
     assert after_transaction(outcome, end) is expected
+
+
+#: Errors that say the broker could not be reached or could not take a record now.
+OUTAGE_ERRORS: tuple[BaseException, ...] = (
+    kafka_errors.KafkaTimeoutError("Failed to update metadata after 60.0 secs."),
+    kafka_errors.KafkaTimeoutError("Failed to allocate memory within max_block_ms"),
+    kafka_errors.KafkaConnectionError("Connection refused"),
+    kafka_errors.NodeNotReadyError(),
+    kafka_errors.RequestTimedOutError(),
+    kafka_errors.NotLeaderForPartitionError(),
+    kafka_errors.LeaderNotAvailableError(),
+    kafka_errors.BrokerNotAvailableError(),
+    kafka_errors.NotEnoughReplicasError(),
+    kafka_errors.UnknownTopicOrPartitionError(),
+    ConnectionRefusedError(),
+    TimeoutError(),
+    from_librdkafka(-195, "_TRANSPORT", "Broker transport failure"),
+    from_librdkafka(-187, "_ALL_BROKERS_DOWN", "All broker connections are down"),
+    from_librdkafka(-192, "_MSG_TIMED_OUT", "Local: Message timed out"),
+    from_librdkafka(-184, "_QUEUE_FULL", "Local: Queue full"),
+)
+
+
+@pytest.mark.parametrize("error", OUTAGE_ERRORS, ids=lambda e: f"{type(e).__name__}:{e}"[:60])
+def test_an_outage_before_handing_over_is_not_written_and_counts_no_failure(
+    error: BaseException,
+) -> None:
+    """An unreachable or unavailable broker says nothing of the record: no failure is counted."""
+    outcome = classify(error, handed_to_producer=False)
+    assert outcome is SendOutcome.NOT_WRITTEN
+    assert is_outage(error)
+    assert counts_as_failure(outcome, error) is False
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        kafka_errors.IllegalStateError("producer closed"),
+        kafka_errors.KafkaError("unexpected"),
+        RuntimeError("unexpected"),
+        from_librdkafka(-191, "_PARTITION_EOF", "Local: Partition EOF"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_refusal_that_may_be_the_records_own_counts_as_a_failure(error: BaseException) -> None:
+    """A not-written outcome that is no outage counts toward --max-attempts."""
+    outcome = classify(error, handed_to_producer=False)
+    assert outcome is SendOutcome.NOT_WRITTEN
+    assert not is_outage(error)
+    assert counts_as_failure(outcome, error) is True
+
+
+@pytest.mark.parametrize("error_class", CONTENT_ERRORS)
+def test_a_content_error_is_never_an_outage(error_class: type[Exception]) -> None:
+    """A refusal of the content is the record's, even when kafka-python calls it retriable."""
+    assert not is_outage(error_class())
+
+
+def test_only_a_not_written_outcome_can_count_as_a_failure() -> None:
+    """Confirmed, uncertain and content-refused outcomes never add to the failures."""
+    error = kafka_errors.IllegalStateError("x")
+    for outcome in (SendOutcome.CONFIRMED, SendOutcome.UNCERTAIN, SendOutcome.NON_RETRIABLE):
+        assert counts_as_failure(outcome, error) is False
+
+
+def test_a_librdkafka_error_keeps_its_name() -> None:
+    """The name classifies librdkafka's own errors: it is kept on the exception."""
+    error = from_librdkafka(-195, "_TRANSPORT", "Broker transport failure")
+    assert isinstance(error, LibrdkafkaError)
+    assert error.name == "_TRANSPORT"
