@@ -387,7 +387,10 @@ def test_the_key_limit_is_configurable() -> None:
 
 def test_build_intent_accepts_headers_of_exactly_the_maximum() -> None:
     """Header names and values adding up to max_header_bytes are accepted."""
-    headers = [("a", b"x" * 99), ("b", "é" * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2))]
+    headers: list[tuple[str, bytes | str]] = [
+        ("a", b"x" * 99),
+        ("b", "é" * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2)),
+    ]
     used = 1 + 99 + 1 + 2 * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2)
     headers.append(("c", b"y" * (DEFAULT_MAX_HEADER_BYTES - used - 1)))
     intent = build_intent("orders", b"v", headers=headers)
