@@ -26,7 +26,12 @@ import psycopg.errors
 from outbox import render
 from outbox.errors import OutboxError
 from outbox.inspection import list_messages, read_timeline
-from outbox.migrations import current_version, migrate
+from outbox.migrations import (
+    DEFAULT_LOCK_ATTEMPTS,
+    DEFAULT_LOCK_TIMEOUT,
+    current_version,
+    migrate,
+)
 from outbox.operator import (
     Resolution,
     discard,
@@ -63,6 +68,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
     return value
 
 
@@ -103,6 +118,23 @@ def _parser() -> argparse.ArgumentParser:
         "--create-roles",
         action="store_true",
         help="also create the roles (needs CREATEROLE for a missing one) and renew their grants",
+    )
+    migrate_cmd.add_argument(
+        "--lock-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_LOCK_TIMEOUT,
+        metavar="SECONDS",
+        help="wait at most this long for a lock on an outbox table, so that enqueues never "
+        "queue behind a migration for longer; then roll that migration back and try again "
+        f"(default {DEFAULT_LOCK_TIMEOUT:g})",
+    )
+    migrate_cmd.add_argument(
+        "--lock-attempts",
+        type=_positive_int,
+        default=DEFAULT_LOCK_ATTEMPTS,
+        metavar="N",
+        help="tries per migration before giving up, 1 s, 2 s, ... apart "
+        f"(default {DEFAULT_LOCK_ATTEMPTS})",
     )
     defaults = RoleNames()
     for purpose, default in defaults.by_purpose().items():
@@ -255,7 +287,9 @@ def _connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    applied = migrate(args.database_url)
+    applied = migrate(
+        args.database_url, lock_timeout=args.lock_timeout, lock_attempts=args.lock_attempts
+    )
     with _connect(args.database_url) as conn:
         version = current_version(conn)
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"

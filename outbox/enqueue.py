@@ -28,7 +28,14 @@ from outbox.connection import (
     executor_for,
 )
 from outbox.errors import InvalidMessage, OutboxError
-from outbox.intent import DEFAULT_MAX_VALUE_BYTES, Headers, Intent, build_intent
+from outbox.intent import (
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_KEY_BYTES,
+    DEFAULT_MAX_VALUE_BYTES,
+    Headers,
+    Intent,
+    build_intent,
+)
 from outbox.queries import query
 
 #: Rows per INSERT statement in ``enqueue_many``: 7 parameters a row stays far
@@ -52,13 +59,18 @@ class Message:
 class Outbox:
     """Enqueue with settings of your own; the module-level functions use the defaults.
 
-    ``max_value_bytes`` bounds the encoded value; a larger one raises
-    ``ValueTooLarge`` before anything is written. ``enqueue_async`` and
+    ``max_value_bytes`` bounds the encoded value, ``max_key_bytes`` the
+    encoded key and ``max_header_bytes`` the caller's header names and values
+    together (UTF-8); past one, ``ValueTooLarge``, ``KeyTooLarge`` or
+    ``HeadersTooLarge`` is raised before anything is written. A publisher
+    holds whole messages in memory, so these bound what one claim costs. ``enqueue_async`` and
     ``enqueue_many_async`` do on an async connection what ``enqueue`` and
     ``enqueue_many`` do on a synchronous one.
     """
 
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    max_key_bytes: int = DEFAULT_MAX_KEY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
     def enqueue(
         self,
@@ -125,6 +137,8 @@ class Outbox:
             headers=headers,
             idempotency_key=idempotency_key,
             max_value_bytes=self.max_value_bytes,
+            max_key_bytes=self.max_key_bytes,
+            max_header_bytes=self.max_header_bytes,
         )
 
     def _intents(self, messages: Iterable[Message]) -> list[Intent]:

@@ -16,19 +16,30 @@ class InvalidMessage(OutboxError, ValueError):
 
 
 class InvalidTopic(InvalidMessage):
-    """The topic name is empty, too long, or has characters Kafka refuses."""
+    """The topic name is empty, too long, or has characters Kafka refuses (NUL included)."""
 
 
 class InvalidKey(InvalidMessage):
-    """The key is neither bytes nor str."""
+    """The key is neither bytes nor str, or is a str UTF-8 cannot encode (a lone surrogate)."""
+
+
+class KeyTooLarge(InvalidKey):
+    """The encoded key is larger than the configured maximum (16,384 bytes by default)."""
 
 
 class InvalidValue(InvalidMessage):
-    """The value is neither bytes, str nor JSON-serialisable."""
+    """The value is neither bytes, str nor JSON-serialisable, nests too deeply for JSON, or
+    is text UTF-8 cannot encode."""
 
 
 class InvalidHeaders(InvalidMessage):
-    """Headers are not a mapping or list of str names to bytes/str values."""
+    """Headers are not a mapping or list of str names to bytes/str values, or a name has a
+    NUL character, or a name or value is text UTF-8 cannot encode."""
+
+
+class HeadersTooLarge(InvalidHeaders):
+    """Header names and values together are larger than the configured maximum
+    (16,384 bytes by default)."""
 
 
 class ValueTooLarge(InvalidMessage):
@@ -36,7 +47,8 @@ class ValueTooLarge(InvalidMessage):
 
 
 class InvalidIdempotencyKey(InvalidMessage):
-    """The idempotency key is not a non-empty str."""
+    """The idempotency key is not a non-empty str, has a NUL character or a lone
+    surrogate, or is longer than 1,024 bytes in UTF-8 (it is kept in a unique index)."""
 
 
 class ConnectionNotSupported(OutboxError, TypeError):

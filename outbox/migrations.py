@@ -6,6 +6,16 @@ its own transaction together with its row in ``outbox.schema_migrations``.
 A transaction-scoped advisory lock serialises concurrent runs, so running
 it repeatedly or from several processes at once is safe.
 
+``migrate`` waits at most ``lock_timeout`` for each lock a migration needs
+on the outbox tables (PostgreSQL's ``lock_timeout``, set for the migration's
+transaction once the advisory lock is held). A lock request waiting behind a
+long transaction would otherwise queue every enqueue behind it; past the
+timeout the migration's transaction rolls back (nothing of it is applied),
+the waiting enqueues go on, and it is tried again after a backoff, up to
+``lock_attempts`` times before ``MigrationError`` says so. The timeout
+bounds the wait for a lock, not the time it is held: see docs/operations.md
+for the migrations that rewrite ``outbox.messages``.
+
 ``migrate_connection`` applies them on a connection the caller already holds,
 inside the caller's transaction: that is how a schema managed by Alembic (or
 any other migration tool) gets the outbox tables, views and triggers.
@@ -14,6 +24,8 @@ any other migration tool) gets the outbox tables, views and triggers.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -29,6 +41,12 @@ from outbox.redaction import connect_errors_redacted
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 #: Key of the advisory lock held while migrating (the text 'outbox.migrate' hashed by hand).
 MIGRATION_LOCK_KEY = 0x6F7574626F78
+
+#: How long ``migrate`` waits for a lock before giving the attempt up.
+DEFAULT_LOCK_TIMEOUT = 5.0
+#: Attempts per migration before ``migrate`` fails, waiting 1 s, 2 s, ... in between.
+DEFAULT_LOCK_ATTEMPTS = 4
+_BACKOFF_SECONDS = 1.0
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -92,11 +110,26 @@ def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
     return {v for (v,) in conn.execute(_APPLIED)}
 
 
-def migrate(conninfo: str, *, target: int | None = None) -> list[Migration]:
+def migrate(
+    conninfo: str,
+    *,
+    target: int | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    lock_attempts: int = DEFAULT_LOCK_ATTEMPTS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Migration]:
     """Apply the migrations not yet applied (up to version ``target``, if given).
 
-    Returns those this call applied.
+    Each waits at most ``lock_timeout`` seconds for a lock, and is tried
+    ``lock_attempts`` times (with a backoff of 1 s, 2 s, ... in between)
+    before ``MigrationError`` is raised; the migrations applied before it
+    stay applied, and nothing of the one that failed is. Returns those this
+    call applied.
     """
+    if lock_timeout <= 0:
+        raise MigrationError(f"lock timeout must be positive, got {lock_timeout}")
+    if lock_attempts < 1:
+        raise MigrationError(f"lock attempts must be at least 1, got {lock_attempts}")
     migrations = load_migrations()
     if target is not None:
         if target not in {m.version for m in migrations}:
@@ -107,9 +140,36 @@ def migrate(conninfo: str, *, target: int | None = None) -> list[Migration]:
         conn = psycopg.connect(conninfo, autocommit=True)
     with conn:
         for migration in migrations:
-            with conn.transaction():
-                applied.extend(_apply(_Target(conn), migrations, only=migration.version))
+            for attempt in range(1, lock_attempts + 1):
+                try:
+                    with conn.transaction():
+                        applied.extend(
+                            _apply(
+                                _Target(conn),
+                                migrations,
+                                only=migration.version,
+                                lock_timeout=lock_timeout,
+                            )
+                        )
+                    break
+                except psycopg.errors.LockNotAvailable as exc:
+                    if attempt == lock_attempts:
+                        raise MigrationError(
+                            f"migration {migration.version:04d}_{migration.name} could not take "
+                            f"its locks within the {lock_timeout:g}s lock timeout, {lock_attempts} "
+                            f"times: another transaction holds a lock on an outbox table "
+                            f"({exc.diag.message_primary or exc}). Nothing of it was applied "
+                            f"(the database is at version {_version_now(conn)}). Run it again "
+                            "when long transactions on the outbox tables are done (off-peak), "
+                            "or with a longer --lock-timeout"
+                        ) from exc
+                    sleep(_BACKOFF_SECONDS * 2 ** (attempt - 1))
     return applied
+
+
+def _version_now(conn: psycopg.Connection[Any]) -> int:
+    with conn.transaction():
+        return current_version(conn)
 
 
 def migrate_connection(conn: object) -> list[Migration]:
@@ -158,14 +218,25 @@ class _Target:
 
 
 def _apply(
-    target: _Target, migrations: list[Migration], only: int | None = None
+    target: _Target,
+    migrations: list[Migration],
+    only: int | None = None,
+    lock_timeout: float | None = None,
 ) -> list[Migration]:
     """In the current transaction: lock, check the version, apply what is missing.
 
     ``only`` limits this call to one version (``migrate`` gives each file its
     own transaction); the version check always covers every shipped file.
+    ``lock_timeout`` (seconds) is set for the rest of the transaction once the
+    advisory lock is held: another run waits for that one as long as it takes,
+    since it queues no lock on an outbox table meanwhile.
     """
     target.executor.fetchall("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+    if lock_timeout is not None:
+        target.executor.fetchall(
+            "SELECT set_config('lock_timeout', %s, true)",
+            (f"{max(1, round(lock_timeout * 1000))}ms",),
+        )
     target.script(_BOOKKEEPING)
     done = {v for (v,) in target.executor.fetchall(_APPLIED, ())}
     newest_known = migrations[-1].version

@@ -673,6 +673,14 @@ LIMIT %(limit)s
 -- range is an enqueue-time range, read from the primary key), and deletes
 -- those delivered before the cutoff. Nothing else is ever deleted. Returns
 -- the last id looked at (NULL when done) and how many were deleted.
+-- A delivered keyed message is kept, whatever its age, while an earlier
+-- message of its key (same topic and key, lower seq) is still open: pending
+-- (claimed or not: in flight, or waiting out a retry, may end uncertain),
+-- uncertain, or quarantined (an operator may retry it). The reconciler
+-- decides an uncertain message "absent, but a later message of its key is in
+-- Kafka" by finding that later message's row (later_of_key): purged, it
+-- would be resent out of order. Delivered and discarded are final and hold
+-- nothing. The probe reads the small messages_open_keys index.
 WITH scanned AS (
     SELECT id FROM outbox.messages
     WHERE id > %(after)s AND id < outbox.uuid7_floor(now() - %(age)s::interval)
@@ -684,14 +692,25 @@ deleted AS (
     USING scanned AS s
     WHERE m.id = s.id AND m.state = 'delivered'
       AND m.delivered_at < now() - %(age)s::interval
+      AND NOT EXISTS (SELECT 1 FROM outbox.messages AS e
+                      WHERE m.key IS NOT NULL
+                        AND e.key IS NOT NULL AND e.key_hash = m.key_hash AND e.seq < m.seq
+                        AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
+                        AND e.topic = m.topic AND e.key = m.key)
     RETURNING 1
 )
 SELECT (SELECT id FROM scanned ORDER BY id DESC LIMIT 1), (SELECT count(*) FROM deleted)
 
 -- name: count_delivered_to_purge
-SELECT count(*) FROM outbox.messages
-WHERE id < outbox.uuid7_floor(now() - %(age)s::interval)
-  AND state = 'delivered' AND delivered_at < now() - %(age)s::interval
+-- What purge_delivered would delete, earlier open messages of a key included.
+SELECT count(*) FROM outbox.messages AS m
+WHERE m.id < outbox.uuid7_floor(now() - %(age)s::interval)
+  AND m.state = 'delivered' AND m.delivered_at < now() - %(age)s::interval
+  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS e
+                  WHERE m.key IS NOT NULL
+                    AND e.key IS NOT NULL AND e.key_hash = m.key_hash AND e.seq < m.seq
+                    AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
+                    AND e.topic = m.topic AND e.key = m.key)
 
 -- name: purge_attempts
 -- One bounded step: attempts of messages enqueued before the cutoff whose

@@ -3,7 +3,11 @@
 ``purge`` never deletes a message that is not delivered. It deletes:
 
 * delivered messages delivered (and enqueued) longer ago than
-  ``delivered_older_than``;
+  ``delivered_older_than`` (at least ``MIN_DELIVERED_AGE``, 5 minutes),
+  except those of a key whose earlier message is still open (pending, in
+  flight, uncertain or quarantined): the reconciler reads them as proof that
+  the key moved on, and an uncertain message proven absent is then not sent
+  again out of order;
 * attempts and decisions of messages that are gone (purged), once those
   messages were enqueued longer ago than ``evidence_older_than``; the
   evidence of a message that still exists is never deleted;
@@ -43,6 +47,14 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 DEFAULT_EVIDENCE_AGE = timedelta(days=30)
 #: Rows deleted per step (and per transaction).
 DEFAULT_BATCH_SIZE = 1000
+#: The shortest delivered window a purge accepts. A delivered message may be
+#: the evidence that its key moved on past an earlier uncertain one, which the
+#: reconciler decides only after the sender's write deadline and the absence
+#: grace (with the publisher's defaults, 60 s + 30 s). Purge keeps such a
+#: message while the earlier one is open anyway (see purge_delivered); this
+#: floor is the second line, with room for longer Kafka timeouts. A publisher
+#: refuses a window shorter than its own write deadline plus absence grace.
+MIN_DELIVERED_AGE = timedelta(minutes=5)
 
 _ZERO_ID = uuid.UUID(int=0)
 #: Key of the session advisory lock a purge holds (next to the migrations' one).
@@ -64,6 +76,14 @@ def parse_duration(text: str) -> timedelta:
     if seconds <= 0:
         raise ValueError(f"{text!r}: a retention period must be longer than zero")
     return timedelta(seconds=seconds)
+
+
+def _words(age: timedelta) -> str:
+    """``5 minutes``, ``90 seconds``: a window as people say it."""
+    seconds = age.total_seconds()
+    if seconds % 60 == 0:
+        return f"{seconds / 60:g} minutes"
+    return f"{seconds:g} seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +121,12 @@ def purge(
     ):
         if age <= timedelta(0):
             raise ValueError(f"{name} must be longer than zero, got {age}")
+    if delivered_older_than < MIN_DELIVERED_AGE:
+        raise ValueError(
+            f"the delivered window ({delivered_older_than}) is shorter than the minimum, "
+            f"{_words(MIN_DELIVERED_AGE)}: a delivered message must outlive the write deadline "
+            "and absence grace of the uncertain messages before it"
+        )
     if evidence_older_than < delivered_older_than:
         raise ValueError(
             f"the evidence window ({evidence_older_than}) must be at least the delivered window "

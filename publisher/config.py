@@ -26,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict
 from outbox.errors import OutboxError
 from outbox.redaction import parse_reason
 from outbox.redaction import redact as redact  # noqa: PLC0414 - moved there; callers keep this name
-from outbox.retention import parse_duration
+from outbox.retention import MIN_DELIVERED_AGE, parse_duration
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -180,6 +180,18 @@ class PublisherConfig:
         return self.hand_over_seconds + self.max_block_ms / 1000 + self.longest_send_seconds
 
     @property
+    def min_purge_delivered_seconds(self) -> float:
+        """The shortest ``purge_delivered_after``: the write deadline plus the absence grace.
+
+        Until then an uncertain message may still be reconciled, and the
+        delivered messages after it of its key are its evidence that the key
+        moved on. Never under the library's floor (``MIN_DELIVERED_AGE``).
+        """
+        return max(
+            self.write_deadline_seconds + self.absence_grace, MIN_DELIVERED_AGE.total_seconds()
+        )
+
+    @property
     def stall_seconds(self) -> float:
         """How long the loop may go without a turn before it counts as stuck.
 
@@ -268,6 +280,16 @@ class PublisherConfig:
                     windows[name] = parse_duration(text)
                 except ValueError as exc:
                     problem(name, f"{name.replace('_', ' ')}: {exc}")
+        delivered = windows.get("purge_delivered_after")
+        if delivered is not None and delivered.total_seconds() < self.min_purge_delivered_seconds:
+            problem(
+                "purge_delivered_after",
+                f"purge delivered after ({self.purge_delivered_after}) must be at least "
+                f"{self.min_purge_delivered_seconds:g}s: the write deadline "
+                f"({self.write_deadline_seconds:g}s) plus the absence grace "
+                f"({self.absence_grace:g}s), and never under {MIN_DELIVERED_AGE.total_seconds():g}s"
+                "; a delivered message must outlive the reconciliation of uncertain ones before it",
+            )
         if len(windows) == 2 and windows["purge_evidence_after"] < windows["purge_delivered_after"]:
             problem(
                 "purge_evidence_after purge_delivered_after",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -121,6 +122,93 @@ def test_invalid_input_writes_nothing_and_keeps_the_transaction_usable(
         second = outbox.enqueue(conn, "orders", b"second")
         conn.commit()
     assert [row[0] for row in _rows(database_url)] == [good, second]
+
+
+LONE_SURROGATE = "\ud800"
+
+
+def _nested(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@OPENERS
+def test_oversized_and_unstorable_input_raises_before_sql_and_keeps_the_transaction_usable(
+    database_url: str, opener: Opener
+) -> None:
+    """Input PostgreSQL or a publisher could not hold (a key, headers or idempotency key over
+    its limit, NUL in text, lone surrogates, JSON too deep) raises the field's InvalidMessage
+    before any SQL: the transaction then commits normally."""
+    deep = _nested(100_000)
+    too_long = secrets.token_urlsafe(3000)
+    with opener(database_url) as conn:
+        good = outbox.enqueue(conn, "orders", b"first")
+        bad_calls: list[tuple[type[outbox.InvalidMessage], Callable[[], object]]] = [
+            # Over the btree row limit (about 2.7 kB once compressed, hence random text)
+            # the server would abort the transaction.
+            (
+                outbox.InvalidIdempotencyKey,
+                lambda: outbox.enqueue(conn, "orders", b"x", idempotency_key=too_long),
+            ),
+            (
+                outbox.InvalidIdempotencyKey,
+                lambda: outbox.enqueue(conn, "orders", b"x", idempotency_key="k" * 1025),
+            ),
+            (
+                outbox.InvalidIdempotencyKey,
+                lambda: outbox.enqueue(conn, "orders", b"x", idempotency_key="a\x00b"),
+            ),
+            (
+                outbox.InvalidIdempotencyKey,
+                lambda: outbox.enqueue(conn, "orders", b"x", idempotency_key=f"a{LONE_SURROGATE}"),
+            ),
+            (outbox.KeyTooLarge, lambda: outbox.enqueue(conn, "orders", b"x", key=b"k" * 20_000)),
+            (
+                outbox.InvalidKey,
+                lambda: outbox.enqueue(conn, "orders", b"x", key=f"k{LONE_SURROGATE}"),
+            ),
+            (
+                outbox.HeadersTooLarge,
+                lambda: outbox.enqueue(conn, "orders", b"x", headers={"h": b"x" * 20_000}),
+            ),
+            (
+                outbox.InvalidHeaders,
+                lambda: outbox.enqueue(conn, "orders", b"x", headers={"h\x00": b"x"}),
+            ),
+            (
+                outbox.InvalidHeaders,
+                lambda: outbox.enqueue(conn, "orders", b"x", headers={"h": f"v{LONE_SURROGATE}"}),
+            ),
+            (outbox.InvalidTopic, lambda: outbox.enqueue(conn, "ord\x00ers", b"x")),
+            (outbox.InvalidValue, lambda: outbox.enqueue(conn, "orders", f"v{LONE_SURROGATE}")),
+            (outbox.InvalidValue, lambda: outbox.enqueue(conn, "orders", deep)),
+            (
+                outbox.InvalidIdempotencyKey,
+                lambda: outbox.enqueue_many(
+                    conn,
+                    [
+                        outbox.Message("orders", b"ok"),
+                        outbox.Message("orders", b"x", idempotency_key=too_long),
+                    ],
+                ),
+            ),
+        ]
+        for error, call in bad_calls:
+            with pytest.raises(error):
+                call()
+        second = outbox.enqueue(conn, "orders", b"second", idempotency_key="k" * 1024)
+        conn.commit()
+    assert [row[0] for row in _rows(database_url)] == [good, second]
+
+
+def test_a_key_with_nul_bytes_is_stored_as_given(database_url: str) -> None:
+    """A key is bytea: NUL bytes in it (given as bytes or str) are stored and read back."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, "orders", b"x", key="a\x00b")
+        outbox.enqueue(conn, "orders", b"x", key=b"\x00")
+    assert [row[2] for row in _rows(database_url)] == [b"a\x00b", b"\x00"]
 
 
 def test_autocommit_connection_without_transaction_is_refused(database_url: str) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
+from outbox.errors import MigrationError
 from outbox.migrations import current_version, load_migrations, migrate
+from tests.support import wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
 
@@ -102,3 +106,69 @@ def test_0007_carries_messages_in_flight_into_their_batches(empty_database_url: 
         (ids[2], "pending", None, 1, 1),
     ]
     assert legacy_attempts == [(ids[1], "abandoned", True)]
+
+
+def test_a_migration_blocked_by_a_long_transaction_gives_up_and_lets_enqueues_through(
+    empty_database_url: str,
+) -> None:
+    """Behind a transaction holding outbox.messages, a migration waits at most its lock timeout
+    per attempt, then fails saying so with nothing of it applied; an insert issued while the
+    migration's lock request is queued goes through within that timeout."""
+    url = empty_database_url
+    migrate(url, target=6)  # 0007 drops columns of outbox.messages: ACCESS EXCLUSIVE
+    migrating = make_conninfo(url, application_name="test-migrate")
+    lock_timeout, attempts = 1.0, 2
+    insert = "INSERT INTO outbox.messages (id, topic, value) VALUES (%s, 'orders', 'v')"
+    # The holder is closed first, whatever happens, so that no thread of the pool waits on it.
+    with ThreadPoolExecutor(2) as pool, psycopg.connect(url) as holder:
+        holder.execute(insert, (uuid.uuid4(),))  # an enqueue, not committed yet
+        started = time.monotonic()
+        migration = pool.submit(
+            migrate, migrating, lock_timeout=lock_timeout, lock_attempts=attempts
+        )
+        wait_until(
+            lambda: waiting_on_lock(url, "test-migrate"),
+            timeout=10,
+            what="the migration to queue its lock",
+        )
+
+        def enqueue_meanwhile() -> float:
+            with psycopg.connect(url) as conn:
+                begun = time.monotonic()
+                conn.execute(insert, (uuid.uuid4(),))
+                return time.monotonic() - begun
+
+        waited = pool.submit(enqueue_meanwhile).result(timeout=lock_timeout + 5)
+        assert waited < lock_timeout + 1
+        with pytest.raises(MigrationError) as failed:
+            migration.result(timeout=attempts * lock_timeout + 10)
+        elapsed = time.monotonic() - started
+        holder.rollback()
+    # Two attempts of about a second each, one second of backoff between them.
+    assert elapsed < attempts * lock_timeout + 1 + 3
+    says = str(failed.value)
+    assert "0007_batch_claims" in says
+    assert "1s lock timeout, 2 times" in says
+    assert "Nothing of it was applied (the database is at version 6)" in says
+    with psycopg.connect(url) as conn:
+        assert current_version(conn) == 6
+        columns = {
+            c
+            for (c,) in conn.execute(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_schema = 'outbox' AND table_name = 'messages'"
+            )
+        }
+    assert "lease_owner" in columns  # 0007 drops it: nothing of 0007 remains
+    assert [m.version for m in migrate(url)] == [7]
+
+
+def test_migrate_refuses_a_lock_timeout_or_attempts_that_cannot_work(
+    empty_database_url: str,
+) -> None:
+    """A zero lock timeout or zero attempts is refused before anything is applied."""
+    for kwargs in ({"lock_timeout": 0.0}, {"lock_attempts": 0}):
+        with pytest.raises(MigrationError, match="must be"):
+            migrate(empty_database_url, **kwargs)
+    with psycopg.connect(empty_database_url) as conn:
+        assert current_version(conn) == 0

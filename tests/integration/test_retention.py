@@ -11,6 +11,7 @@ import json
 import threading
 import time
 import uuid
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 
 import outbox
 import outbox.ids
-from outbox.retention import PURGE_LOCK_KEY
+from outbox.retention import PURGE_LOCK_KEY, purge
 from publisher.app import build_publisher
 from tests.support import (
     fetch_rows,
@@ -187,6 +188,7 @@ def test_purge_refuses_a_bad_age_and_deletes_nothing(database_url: str, topic: s
     for args, says in (
         (["7"], "is not a duration"),
         (["0d"], "longer than zero"),
+        (["299s"], "shorter than the minimum, 5 minutes"),
         (["7y"], "unit"),
         (["7d", "--evidence-older-than", "1d"], "must be at least the delivered window"),
     ):
@@ -209,23 +211,40 @@ def test_one_purge_at_a_time(database_url: str) -> None:
 
 
 def test_a_publisher_purges_at_its_interval(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With --purge-delivered-after, the publisher deletes what it delivered once old enough."""
-    with psycopg.connect(database_url) as conn:
-        ids = outbox.enqueue_many(conn, [outbox.Message(topic, b"v") for _ in range(20)])
+    ids = _enqueue(
+        database_url, monkeypatch, [outbox.Message(topic, b"v") for _ in range(20)], days_ago=1
+    )
     config = publisher_config(
         database_url,
         kafka_bootstrap,
         exit_when_idle=False,
-        purge_delivered_after="1s",
-        purge_evidence_after="1s",
+        purge_delivered_after="5m",
+        purge_evidence_after="5m",
         purge_interval=0.3,
     )
     publisher = build_publisher(config)
     runner = threading.Thread(target=publisher.run)
     runner.start()
     try:
+        wait_until(
+            lambda: (
+                _count(
+                    database_url, "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'"
+                )
+                == len(ids)
+            ),
+            timeout=30,
+            what="every message to be delivered",
+        )
+        # A day passes: the deliveries and their batches are older than the windows now.
+        with psycopg.connect(database_url) as conn:
+            conn.execute(
+                "UPDATE outbox.messages SET delivered_at = delivered_at - interval '1 day'"
+            )
+            conn.execute("UPDATE outbox.batches SET claimed_at = claimed_at - interval '1 day'")
         wait_until(
             lambda: (
                 _count(database_url, "SELECT count(*) FROM outbox.messages") == 0
@@ -249,3 +268,73 @@ def test_a_publisher_purges_at_its_interval(
     assert purged["attempts"] == 0
     assert purged["batches"] is not None
     assert purged["batches"] >= 1
+
+
+def _settle_by_hand(url: str, states: dict[uuid.UUID, str]) -> None:
+    """Put messages in the given states as a publisher and reconciler would leave them; a
+    delivered one was delivered ten days ago."""
+    with psycopg.connect(url) as conn:
+        for message_id, state in states.items():
+            conn.execute(
+                "UPDATE outbox.messages SET state = %s, failures = 1,"
+                " kafka_partition = CASE WHEN %s = 'delivered' THEN 0 END,"
+                " kafka_offset = CASE WHEN %s = 'delivered' THEN seq END,"
+                " delivered_at = CASE WHEN %s = 'delivered' THEN now() - interval '10 days' END"
+                " WHERE id = %s",
+                (state, state, state, state, message_id),
+            )
+
+
+@pytest.mark.parametrize("earlier", ["uncertain", "pending", "quarantined"])
+def test_purge_keeps_a_delivered_message_while_an_earlier_one_of_its_key_is_open(
+    database_url: str, topic: str, monkeypatch: pytest.MonkeyPatch, earlier: str
+) -> None:
+    """A delivered message stays while an earlier message of its key (same topic and key) is
+    uncertain, pending or quarantined, so the reconciler still sees that the key moved on;
+    once the earlier one is decided, both go."""
+    first, later, other_key, other_topic = _enqueue(
+        database_url,
+        monkeypatch,
+        [
+            outbox.Message(topic, b"1", key="k"),
+            outbox.Message(topic, b"2", key="k"),
+            outbox.Message(topic, b"3", key="k2"),
+            outbox.Message(f"{topic}.other", b"4", key="k"),
+        ],
+        days_ago=10,
+    )
+    _settle_by_hand(
+        database_url,
+        {first: earlier, later: "delivered", other_key: "delivered", other_topic: "delivered"},
+    )
+
+    with psycopg.connect(database_url) as conn:
+        dry = purge(conn, delivered_older_than=timedelta(days=7), dry_run=True)
+        report = purge(conn, delivered_older_than=timedelta(days=7))
+    # Another key, or the same key on another topic, is not held by the open message.
+    assert dry.messages == report.messages == 2
+    left = dict(fetch_rows(database_url, "SELECT id, state FROM outbox.messages"))
+    assert left == {first: earlier, later: "delivered"}
+
+    _settle_by_hand(database_url, {first: "delivered"})
+    with psycopg.connect(database_url) as conn:
+        assert purge(conn, delivered_older_than=timedelta(days=7)).messages == 2
+    assert _count(database_url, "SELECT count(*) FROM outbox.messages") == 0
+
+
+def test_purge_lets_a_discarded_earlier_message_go_unheeded(
+    database_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A discarded earlier message is final: it holds nothing, its later delivered one goes."""
+    first, later = _enqueue(
+        database_url,
+        monkeypatch,
+        [outbox.Message(topic, b"1", key="k"), outbox.Message(topic, b"2", key="k")],
+        days_ago=10,
+    )
+    _settle_by_hand(database_url, {first: "discarded", later: "delivered"})
+    with psycopg.connect(database_url) as conn:
+        assert purge(conn, delivered_older_than=timedelta(days=7)).messages == 1
+    assert dict(fetch_rows(database_url, "SELECT id, state FROM outbox.messages")) == {
+        first: "discarded"
+    }

@@ -164,7 +164,7 @@ def test_the_publisher_delivers_and_reconciles_but_creates_and_drops_nothing(
     assert sorted(r.value for r in read_topic(kafka_bootstrap, topic)) == [b"first", b"second"]
     with psycopg.connect(logins.publisher_url) as conn:
         assert read_open_status(conn) == []
-    purged = run_outbox_cli(logins.publisher_url, "purge", "--delivered-older-than", "1s")
+    purged = run_outbox_cli(logins.publisher_url, "purge", "--delivered-older-than", "1d")
     assert purged.returncode == 0, purged.stderr
 
     for statement in (
@@ -223,7 +223,7 @@ def test_the_operator_reads_and_decides_but_enqueues_deletes_and_purges_nothing(
     decided = fetch_rows(database_url, "SELECT to_state FROM outbox.decisions ORDER BY id")
     assert [d for (d,) in decided] == ["delivered", "pending", "discarded"]
 
-    purge = run_outbox_cli(logins.operator_url, "purge", "--delivered-older-than", "1s")
+    purge = run_outbox_cli(logins.operator_url, "purge", "--delivered-older-than", "1d")
     assert purge.returncode == 2
     assert "permission denied" in purge.stderr
     assert "needs the publisher role" in purge.stderr

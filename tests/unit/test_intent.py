@@ -12,15 +12,21 @@ import outbox
 from outbox import Message, Outbox
 from outbox.errors import (
     ConnectionNotSupported,
+    HeadersTooLarge,
     InvalidHeaders,
     InvalidIdempotencyKey,
     InvalidKey,
     InvalidMessage,
     InvalidTopic,
     InvalidValue,
+    KeyTooLarge,
     ValueTooLarge,
 )
 from outbox.intent import (
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_KEY_BYTES,
+    DEFAULT_MAX_VALUE_BYTES,
+    MAX_IDEMPOTENCY_KEY_BYTES,
     MAX_TOPIC_LENGTH,
     build_intent,
     encode_headers,
@@ -345,3 +351,137 @@ def test_module_level_enqueue_validates_before_the_connection() -> None:
     """outbox.enqueue raises InvalidHeaders for a reserved header before checking the connection."""
     with pytest.raises(InvalidHeaders, match="reserved"):
         outbox.enqueue(object(), "orders", b"v", headers={"outbox-id": b"x"})
+
+
+# --- limits on key, headers and idempotency key -----------------------------------------------
+
+
+def test_default_limits_fit_kafkas_default_message_size() -> None:
+    """The largest message the defaults accept fits Kafka's default message.max.bytes
+    (1 MiB) with room left for the record's framing."""
+    largest = DEFAULT_MAX_VALUE_BYTES + DEFAULT_MAX_KEY_BYTES + DEFAULT_MAX_HEADER_BYTES
+    assert largest + 10_000 <= 1_048_576
+
+
+@pytest.mark.parametrize("key", [b"k" * DEFAULT_MAX_KEY_BYTES, "é" * (DEFAULT_MAX_KEY_BYTES // 2)])
+def test_build_intent_accepts_a_key_of_exactly_the_maximum(key: bytes | str) -> None:
+    """A key exactly max_key_bytes long once encoded is accepted."""
+    intent = build_intent("orders", b"v", key=key)
+    assert intent.key is not None
+    assert len(intent.key) == DEFAULT_MAX_KEY_BYTES
+
+
+@pytest.mark.parametrize("key", [b"k" * (DEFAULT_MAX_KEY_BYTES + 1), "é" * 8193, b"k" * 10**7])
+def test_build_intent_refuses_a_key_over_the_maximum(key: bytes | str) -> None:
+    """A key over max_key_bytes raises KeyTooLarge (an InvalidKey) naming the size and limit."""
+    with pytest.raises(KeyTooLarge, match=f"key is .* bytes .* maximum is {DEFAULT_MAX_KEY_BYTES}"):
+        build_intent("orders", b"v", key=key)
+    assert issubclass(KeyTooLarge, InvalidKey)
+
+
+def test_the_key_limit_is_configurable() -> None:
+    """Outbox(max_key_bytes=...) moves the key limit."""
+    with pytest.raises(KeyTooLarge, match="maximum is 4"):
+        Outbox(max_key_bytes=4).enqueue(object(), "orders", b"v", key="12345")
+
+
+def test_build_intent_accepts_headers_of_exactly_the_maximum() -> None:
+    """Header names and values adding up to max_header_bytes are accepted."""
+    headers: list[tuple[str, bytes | str]] = [
+        ("a", b"x" * 99),
+        ("b", "é" * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2)),
+    ]
+    used = 1 + 99 + 1 + 2 * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2)
+    headers.append(("c", b"y" * (DEFAULT_MAX_HEADER_BYTES - used - 1)))
+    intent = build_intent("orders", b"v", headers=headers)
+    size = sum(len(n.encode()) for n in intent.header_names) + sum(map(len, intent.header_values))
+    assert size == DEFAULT_MAX_HEADER_BYTES
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"big": b"x" * DEFAULT_MAX_HEADER_BYTES},
+        {"n" * (DEFAULT_MAX_HEADER_BYTES + 1): b""},
+        [(f"h{i}", b"x" * 1000) for i in range(17)],
+        [("h", "é" * (DEFAULT_MAX_HEADER_BYTES // 2))],
+    ],
+    ids=["one-value", "one-name", "many", "utf8-counts-bytes"],
+)
+def test_build_intent_refuses_headers_over_the_maximum(headers: Any) -> None:
+    """Names plus values over max_header_bytes raise HeadersTooLarge (an InvalidHeaders)."""
+    with pytest.raises(HeadersTooLarge, match=f"maximum is {DEFAULT_MAX_HEADER_BYTES}"):
+        build_intent("orders", b"v", headers=headers)
+    assert issubclass(HeadersTooLarge, InvalidHeaders)
+
+
+def test_the_header_limit_is_configurable() -> None:
+    """Outbox(max_header_bytes=...) moves the header limit."""
+    with pytest.raises(HeadersTooLarge, match="maximum is 8"):
+        Outbox(max_header_bytes=8).enqueue(object(), "orders", b"v", headers={"abcd": "efghi"})
+
+
+def test_build_intent_accepts_an_idempotency_key_of_exactly_the_maximum() -> None:
+    """An idempotency key of exactly 1,024 UTF-8 bytes is accepted."""
+    key = "é" * (MAX_IDEMPOTENCY_KEY_BYTES // 2)
+    assert build_intent("orders", b"v", idempotency_key=key).idempotency_key == key
+
+
+@pytest.mark.parametrize(
+    "idempotency_key",
+    ["k" * (MAX_IDEMPOTENCY_KEY_BYTES + 1), "é" * 513, "k" * 3000],
+)
+def test_build_intent_refuses_an_idempotency_key_over_the_maximum(idempotency_key: str) -> None:
+    """An idempotency key over 1,024 UTF-8 bytes raises InvalidIdempotencyKey naming the limit,
+    without echoing the whole key."""
+    with pytest.raises(InvalidIdempotencyKey, match="at most 1024") as caught:
+        build_intent("orders", b"v", idempotency_key=idempotency_key)
+    assert len(str(caught.value)) < 300
+
+
+# --- text PostgreSQL cannot store, text UTF-8 cannot encode, JSON too deep ---------------------
+
+LONE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "names"),
+    [
+        ({"topic": "or\x00ders"}, InvalidTopic, "topic"),
+        ({"topic": f"or{LONE}ders"}, InvalidTopic, "topic"),
+        ({"key": f"k{LONE}"}, InvalidKey, "key"),
+        ({"value": f"v{LONE}"}, InvalidValue, "value"),
+        ({"value": {"a": f"v{LONE}"}}, InvalidValue, "value"),
+        ({"headers": {"na\x00me": b"v"}}, InvalidHeaders, "header name"),
+        ({"headers": {f"na{LONE}me": b"v"}}, InvalidHeaders, "header name"),
+        ({"headers": {"name": f"v{LONE}"}}, InvalidHeaders, "header 'name'"),
+        ({"idempotency_key": "order\x0042"}, InvalidIdempotencyKey, "idempotency_key"),
+        ({"idempotency_key": f"order{LONE}"}, InvalidIdempotencyKey, "idempotency_key"),
+    ],
+)
+def test_build_intent_refuses_text_postgresql_or_utf8_cannot_hold(
+    kwargs: dict[str, Any], error: type[InvalidMessage], names: str
+) -> None:
+    """NUL in a text field and unpaired surrogates anywhere raise the field's InvalidMessage
+    subclass, naming the field, instead of a driver or codec error."""
+    arguments: dict[str, Any] = {"topic": "orders", "value": b"v", **kwargs}
+    topic, value = arguments.pop("topic"), arguments.pop("value")
+    with pytest.raises(error) as caught:
+        build_intent(topic, value, **arguments)
+    assert names in str(caught.value)
+    assert not isinstance(caught.value, UnicodeError)
+
+
+def test_a_key_with_nul_is_kept_byte_for_byte() -> None:
+    """A key is bytea: NUL is a byte like any other, in bytes or in str."""
+    assert build_intent("orders", b"v", key="a\x00b").key == b"a\x00b"
+    assert build_intent("orders", b"v", key=b"a\x00b").key == b"a\x00b"
+
+
+def test_build_intent_refuses_json_that_nests_too_deeply() -> None:
+    """A value nested deeper than json can encode raises InvalidValue, not RecursionError."""
+    value: Any = []
+    for _ in range(100_000):
+        value = [value]
+    with pytest.raises(InvalidValue, match="nests too deeply"):
+        build_intent("orders", value)

@@ -7,7 +7,8 @@ from typing import Any, cast
 
 import pytest
 
-from outbox.retention import parse_duration, purge
+from outbox.retention import MIN_DELIVERED_AGE, parse_duration, purge
+from publisher.config import ConfigError, PublisherConfig
 
 
 @pytest.mark.parametrize(
@@ -50,3 +51,72 @@ def test_purge_checks_its_arguments_before_touching_the_database() -> None:
         purge(conn, delivered_older_than=timedelta(days=7), batch_size=0)
     with pytest.raises(ValueError, match="evidence_older_than"):
         purge(conn, delivered_older_than=timedelta(days=7), evidence_older_than=timedelta(0))
+
+
+def test_purge_refuses_a_delivered_window_under_the_minimum() -> None:
+    """A delivered window under MIN_DELIVERED_AGE (5 minutes) is refused before any SQL,
+    naming the minimum; exactly the minimum is accepted as far as the checks go."""
+    conn = cast(Any, object())
+    assert timedelta(minutes=5) == MIN_DELIVERED_AGE
+    for short in (timedelta(seconds=1), timedelta(seconds=90), timedelta(seconds=299)):
+        with pytest.raises(ValueError, match="shorter than the minimum, 5 minutes"):
+            purge(conn, delivered_older_than=short)
+    # At the minimum the checks pass and the purge goes on to the (fake) connection.
+    with pytest.raises(AttributeError):
+        purge(conn, delivered_older_than=MIN_DELIVERED_AGE)
+
+
+def test_the_library_minimum_covers_the_publishers_defaults() -> None:
+    """With its defaults a publisher decides an uncertain message within the library's floor."""
+    config = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
+    assert config.write_deadline_seconds + config.absence_grace <= MIN_DELIVERED_AGE.total_seconds()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "window", "minimum"),
+    [
+        ({}, "299s", "300s"),
+        ({}, "1s", "300s"),
+        # 10 s hand-over + 10 s max block + 310 s longest send = 330 s, + 60 s grace.
+        (
+            {"delivery_timeout_ms": 300_000, "lease_seconds": 600, "absence_grace": 60.0},
+            "6m",
+            "390s",
+        ),
+    ],
+)
+def test_the_publisher_refuses_a_window_under_its_write_deadline_and_grace(
+    overrides: dict[str, Any], window: str, minimum: str
+) -> None:
+    """--purge-delivered-after under the write deadline plus the absence grace (and never
+    under the library's floor) is a config error naming the minimum."""
+    config = PublisherConfig(
+        database_url="postgresql://x",
+        kafka_bootstrap="h:1",
+        purge_delivered_after=window,
+        purge_evidence_after="30d",
+        **overrides,
+    )
+    with pytest.raises(ConfigError) as refused:
+        config.validate()
+    (line,) = [p for p in str(refused.value).splitlines() if "purge delivered after" in p]
+    assert f"must be at least {minimum}" in line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "window"),
+    [
+        ({}, "5m"),
+        ({"delivery_timeout_ms": 300_000, "lease_seconds": 600, "absence_grace": 60.0}, "390s"),
+    ],
+)
+def test_the_publisher_accepts_a_window_of_exactly_the_minimum(
+    overrides: dict[str, Any], window: str
+) -> None:
+    """A window equal to the minimum is accepted."""
+    PublisherConfig(
+        database_url="postgresql://x",
+        kafka_bootstrap="h:1",
+        purge_delivered_after=window,
+        **overrides,
+    ).validate()
