@@ -615,7 +615,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("http_port", int, "port of /metrics, /healthz and /readyz; 0 serves none",
             "metrics and health over HTTP", metavar="PORT"),
     Setting("purge_delivered_after", str, "delete delivered messages older than this (e.g. 7d; "
-            "units s, m, h, d, w); unset keeps them", "retention", unset="off", metavar="AGE"),
+            "units s, m, h, d, w; at least the write deadline plus the absence grace, and 5m); "
+            "unset keeps them", "retention", unset="off", metavar="AGE"),
     Setting("purge_evidence_after", str, "keep the evidence of purged messages this long",
             "retention", metavar="AGE"),
     Setting("purge_interval", float, "seconds between retention passes", "retention",
