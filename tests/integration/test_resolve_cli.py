@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,13 @@ def _state(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
         message_id,
     )
     return row
+
+
+def _fence(database_url: str, message_id: uuid.UUID) -> str:
+    """The message's fence as ``outbox inspect --json`` shows it, for a decision's --fence."""
+    result = _outbox("inspect", str(message_id), "--json", url=database_url)
+    assert result.returncode in (0, 1), result.stderr
+    return str(json.loads(result.stdout)["message"]["fence"])
 
 
 def _decisions(database_url: str) -> list[tuple[Any, ...]]:
@@ -115,6 +123,8 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
         "resolve",
         str(message_id),
         "--delivered",
+        "--fence",
+        _fence(database_url, message_id),
         "--partition",
         "2",
         "--offset",
@@ -151,7 +161,14 @@ def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
     [(from_state,)] = fetch_rows(database_url, "SELECT state FROM outbox.messages")
 
     result = _outbox(
-        "resolve", str(message_id), flag, "--reason", "checked by hand", url=database_url
+        "resolve",
+        str(message_id),
+        flag,
+        "--fence",
+        _fence(database_url, message_id),
+        "--reason",
+        "checked by hand",
+        url=database_url,
     )
     assert result.returncode == 0, result.stderr
     assert f"{from_state} -> {to_state}" in result.stdout
@@ -196,8 +213,11 @@ def test_resolve_refuses_a_pending_message_naming_its_state(database_url: str) -
 def test_resolve_refuses_a_delivered_message_naming_its_state(database_url: str) -> None:
     """Resolving a delivered message exits 2 and says it is delivered."""
     message_id = _delivered(database_url)
+    fence = _fence(database_url, message_id)
     before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
-    result = _outbox("resolve", str(message_id), "--pending", "--reason", "x", url=database_url)
+    result = _outbox(
+        "resolve", str(message_id), "--pending", "--fence", fence, "--reason", "x", url=database_url
+    )
     _assert_refused(result, database_url, before)
     assert f"message {message_id} is delivered" in result.stderr
 
