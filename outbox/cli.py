@@ -236,7 +236,12 @@ def _parser() -> argparse.ArgumentParser:
         help="decide an uncertain or quarantined message by hand, with a reason",
         description="Record an operator's decision on one uncertain (or quarantined) message. "
         "--delivered: it is in Kafka, do not send it; --pending: send it (again; a consumer may "
-        "see it twice if it was in Kafka after all); --discard: never deliver it.",
+        "see it twice if it was in Kafka after all); --discard: never deliver it. The decision "
+        "names the fence it was made from (--fence, as `outbox inspect ID` shows it; required "
+        "with --delivered and --pending) and is refused if the message changed since. "
+        "--pending is refused while the record of an uncertain message may still be written: "
+        "before its write deadline, or, sent in a Kafka transaction, until its session is "
+        "fenced (`outbox-publisher reconcile` fences it and decides the message).",
     )
     resolve_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     decision = resolve_cmd.add_mutually_exclusive_group(required=True)
@@ -250,14 +255,23 @@ def _parser() -> argparse.ArgumentParser:
         "--discard", dest="resolution", action="store_const", const=Resolution.DISCARD
     )
     resolve_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
+    _fence_argument(resolve_cmd, "required with --delivered and --pending")
     resolve_cmd.add_argument("--partition", type=int, help="with --delivered: where it is")
     resolve_cmd.add_argument("--offset", type=int, help="with --delivered: its offset")
+    resolve_cmd.add_argument(
+        "--force-before-deadline",
+        action="store_true",
+        help="with --pending: UNSAFE, may deliver the message twice; skip the check that the "
+        "producer that sent it can no longer write it (write deadline passed, or its Kafka "
+        "transaction session fenced)",
+    )
     retry_cmd = commands.add_parser(
         "retry",
         help="send a quarantined message again (releases the key it holds)",
         description="Move one quarantined message, or all of them (--quarantined, optionally "
         "of one --topic), back to pending with a fresh retry budget. Fix what made Kafka refuse "
-        "it first. Each decision is recorded.",
+        "it first. Each decision is recorded. With --fence, one message moves only if it has "
+        "not changed since you read that fence.",
     )
     target = retry_cmd.add_mutually_exclusive_group(required=True)
     target.add_argument(
@@ -268,16 +282,47 @@ def _parser() -> argparse.ArgumentParser:
     retry_cmd.add_argument(
         "--reason", default="retried by an operator", help="stored with the decision"
     )
+    _fence_argument(retry_cmd, "with ID; without it, a warning")
     discard_cmd = commands.add_parser(
         "discard",
         help="never deliver a pending, quarantined or uncertain message (releases its key)",
         description="Decide that one message will not be delivered. Later messages of its key "
         "then go on without it, so consumers see the key's stream with a gap. Recorded with "
-        "the reason.",
+        "the reason. With --fence, only if the message has not changed since you read that "
+        "fence.",
     )
     discard_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     discard_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
+    _fence_argument(discard_cmd, "without it, a warning")
     return parser
+
+
+def _fence_argument(command: argparse.ArgumentParser, when: str) -> None:
+    command.add_argument(
+        "--fence",
+        type=_fence,
+        metavar="N",
+        help="the message's fence this decision was made from, as `outbox inspect ID` or "
+        f"`outbox list` shows it; refused if the message changed since ({when})",
+    )
+
+
+def _fence(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a fence is never negative, got {value}")
+    return value
+
+
+def _warn_if_unfenced(args: argparse.Namespace) -> None:
+    """After a decision that named no fence: say that it was not checked against a reading."""
+    if args.fence is None:
+        print(
+            "outbox: warning: no --fence given, so this decision was not checked against the "
+            "message as you read it; next time pass the fence `outbox inspect "
+            f"{args.message_id}` shows, to have it refused if the message changed since",
+            file=sys.stderr,
+        )
 
 
 def _connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
@@ -364,16 +409,21 @@ def _resolve(args: argparse.Namespace) -> int:
                 args.message_id,
                 args.resolution,
                 args.reason,
+                fence=args.fence,
                 partition=args.partition,
                 offset=args.offset,
+                force_before_deadline=args.force_before_deadline,
             )
         except ValueError as exc:
             raise OutboxError(str(exc)) from exc
     print(f"message {args.message_id}: {before.value} -> {args.resolution.value} ({args.reason})")
+    _warn_if_unfenced(args)
     return EXIT_OK
 
 
 def _retry(args: argparse.Namespace) -> int:
+    if args.quarantined and args.fence is not None:
+        raise OutboxError("--fence goes with one message ID, not with --quarantined")
     with _connect(args.database_url) as conn:
         if args.quarantined:
             try:
@@ -386,20 +436,22 @@ def _retry(args: argparse.Namespace) -> int:
         if args.topic:
             raise OutboxError("--topic only goes with --quarantined")
         try:
-            before = retry(conn, args.message_id, args.reason)
+            before = retry(conn, args.message_id, args.reason, fence=args.fence)
         except ValueError as exc:
             raise OutboxError(str(exc)) from exc
     print(f"message {args.message_id}: {before.value} -> pending ({args.reason})")
+    _warn_if_unfenced(args)
     return EXIT_OK
 
 
 def _discard(args: argparse.Namespace) -> int:
     with _connect(args.database_url) as conn:
         try:
-            before = discard(conn, args.message_id, args.reason)
+            before = discard(conn, args.message_id, args.reason, fence=args.fence)
         except ValueError as exc:
             raise OutboxError(str(exc)) from exc
     print(f"message {args.message_id}: {before.value} -> discarded ({args.reason})")
+    _warn_if_unfenced(args)
     return EXIT_OK
 
 

@@ -28,13 +28,14 @@ _NEXT_ACTION = {
     State.DELIVERED: "none",
     State.UNCERTAIN: "wait: the reconciler decides it from Kafka once the producer that sent "
     "it can no longer write (or run outbox-publisher reconcile)",
-    State.QUARANTINED: "read the error, fix the cause, then outbox retry ID, "
-    "or outbox discard ID --reason TEXT",
+    State.QUARANTINED: "read the error, fix the cause, then outbox retry ID --fence {fence}, "
+    "or outbox discard ID --fence {fence} --reason TEXT",
     State.DISCARDED: "none: an operator decided not to deliver it",
 }
 _ESCALATED_ACTION = (
     "the evidence in Kafka is gone: check the topic, then decide with "
-    "outbox resolve ID --delivered|--pending|--discard --reason TEXT"
+    "outbox resolve ID --delivered|--pending|--discard --fence {fence} --reason TEXT "
+    "(refused if the message changed since fence {fence})"
 )
 #: States in which a message needs an operator (inspect exits 1).
 NEEDS_ACTION = frozenset({State.UNCERTAIN, State.QUARANTINED})
@@ -79,14 +80,16 @@ class Timeline:
         if self.message is None:
             return "none: delivered and purged by retention; only its evidence is kept"
         state = State(self.message["state"])
+        # A decision names the fence it was made from: the one shown here.
+        fence = self.message["fence"]
         if state is State.UNCERTAIN and self.message["escalated_at"] is not None:
-            return _ESCALATED_ACTION
+            return _ESCALATED_ACTION.format(fence=fence)
         if state is State.PENDING and self.held_behind is not None:
             return (
                 f"none here: its key waits behind message {self.held_behind['held_by']} "
                 f"({self.held_behind['state']}); act on that one"
             )
-        return _NEXT_ACTION[state]
+        return _NEXT_ACTION[state].format(fence=fence)
 
 
 def read_timeline(conn: psycopg.Connection[Any], message_id: uuid.UUID) -> Timeline | None:

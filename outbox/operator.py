@@ -3,6 +3,20 @@
 Every decision moves one message by a conditional update on its current
 state and writes a row to ``outbox.decisions`` saying who decided what, when
 and why, in the same transaction.
+
+A decision is checked before it takes any lock (``decision_check``): one that
+will be refused holds nothing, so it never stalls a claim of the message's
+lane, even in a transaction its caller keeps open. Only a decision that will
+apply locks the message's lane (``resolve_lock``), so that it never races a
+claim; if the message changed in between, the decision is refused and its
+transaction (or savepoint) rolled back, which releases the lock.
+
+A decision names the fence it was made from (``outbox inspect`` and
+``outbox list`` show it) and applies only while the message is still at that
+fence: every claim, recovery and operator decision raises it, so a decision
+made from a stale reading (another operator acted, or a publisher moved the
+message) is refused, naming what changed. ``resolve --pending`` and
+``--delivered`` require it; the other decisions take it when given.
 """
 
 from __future__ import annotations
@@ -11,10 +25,13 @@ import getpass
 import socket
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
 import psycopg
+from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
 from outbox.errors import OutboxError
@@ -41,6 +58,34 @@ class DecisionRefused(OutboxError):
     """The message does not exist or is not in a state this decision applies to."""
 
 
+class StaleDecision(DecisionRefused):
+    """The message changed since the fence the decision was made from."""
+
+
+class BeforeWriteDeadline(DecisionRefused):
+    """Moving the uncertain message to pending now could send it twice: its record may still
+    be written by the producer that sent it (before its write deadline, or, in transactional
+    delivery, until its session is fenced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What ``decision_check`` read about a message."""
+
+    state: str
+    fence: int
+    attempts: int
+    checked_at: datetime
+    #: Until when the producer that sent an uncertain message may still write it.
+    write_deadline: datetime | None
+    #: The Kafka transaction session of an uncertain message, not fenced yet.
+    unfenced_session: str | None
+    decided_at: datetime | None
+    decided_by: str | None
+    from_state: str | None
+    to_state: str | None
+
+
 def operator_name() -> str:
     """Who is deciding, as recorded in ``outbox.decisions.decided_by``."""
     try:
@@ -56,25 +101,43 @@ def resolve(
     resolution: Resolution,
     reason: str,
     *,
+    fence: int | None = None,
     partition: int | None = None,
     offset: int | None = None,
+    force_before_deadline: bool = False,
     decided_by: str | None = None,
 ) -> State:
     """Move an uncertain (or quarantined) message as the operator decided; return its old state.
 
-    Raises ``DecisionRefused`` naming the message's actual state when it is
-    not one of ``RESOLVABLE``, and ``ValueError`` for an empty reason.
+    ``fence`` is the message's fence the decision was made from (as ``outbox
+    inspect`` showed it); it is required for ``DELIVERED`` and ``PENDING``,
+    which act on what the operator saw, and checked when given for
+    ``DISCARD``. Raises ``DecisionRefused`` naming the message's actual state
+    when it is not one of ``RESOLVABLE``; ``StaleDecision`` naming what
+    changed when it is no longer at ``fence``; ``BeforeWriteDeadline`` for
+    ``PENDING`` while the record of an uncertain message may still be written
+    (unless ``force_before_deadline``, which risks sending it twice); and
+    ``ValueError`` for an empty reason or a missing fence.
     """
     if resolution is not Resolution.DELIVERED and (partition is not None or offset is not None):
         raise ValueError("--partition and --offset only go with --delivered")
+    if fence is None and resolution is not Resolution.DISCARD:
+        raise ValueError(
+            f"--{resolution.value} needs --fence N, the fence `outbox inspect {message_id}` "
+            "shows: the decision applies only if the message has not changed since"
+        )
+    if force_before_deadline and resolution is not Resolution.PENDING:
+        raise ValueError("--force-before-deadline only goes with --pending")
     return _decide(
         conn,
         message_id,
         State(resolution.value),
         RESOLVABLE,
         reason,
+        fence=fence,
         partition=partition,
         offset=offset,
+        force_before_deadline=force_before_deadline,
         decided_by=decided_by,
         action="resolved",
     )
@@ -85,15 +148,20 @@ def retry(
     message_id: uuid.UUID,
     reason: str = "retried by an operator",
     *,
+    fence: int | None = None,
     decided_by: str | None = None,
 ) -> State:
-    """Send a quarantined message again, with a fresh retry budget; return its old state."""
+    """Send a quarantined message again, with a fresh retry budget; return its old state.
+
+    With ``fence``, only if the message is still at that fence (else ``StaleDecision``).
+    """
     return _decide(
         conn,
         message_id,
         State.PENDING,
         (State.QUARANTINED,),
         reason,
+        fence=fence,
         decided_by=decided_by,
         action="retried",
     )
@@ -126,11 +194,13 @@ def discard(
     message_id: uuid.UUID,
     reason: str,
     *,
+    fence: int | None = None,
     decided_by: str | None = None,
 ) -> State:
     """Decide that a message will never be delivered; return its old state.
 
-    This releases its key: later messages of the key go on without it.
+    This releases its key: later messages of the key go on without it. With
+    ``fence``, only if the message is still at that fence (else ``StaleDecision``).
     """
     return _decide(
         conn,
@@ -138,9 +208,22 @@ def discard(
         State.DISCARDED,
         DISCARDABLE,
         reason,
+        fence=fence,
         decided_by=decided_by,
         action="discarded",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    """One decision as asked, for checking it against what the message is now."""
+
+    message_id: uuid.UUID
+    to_state: State
+    from_states: tuple[State, ...]
+    action: str
+    fence: int | None
+    force_before_deadline: bool
 
 
 def _decide(
@@ -150,17 +233,35 @@ def _decide(
     from_states: tuple[State, ...],
     reason: str,
     *,
+    fence: int | None = None,
     partition: int | None = None,
     offset: int | None = None,
+    force_before_deadline: bool = False,
     decided_by: str | None = None,
     action: str,
 ) -> State:
     if not reason.strip():
         raise ValueError("a decision needs a reason (--reason)")
+    decision = _Decision(message_id, to_state, from_states, action, fence, force_before_deadline)
     evidence: Mapping[str, Any] = {
         k: v for k, v in (("partition", partition), ("offset", offset)) if v is not None
     }
+    if force_before_deadline:
+        # Kept with the decision: it was taken against the write-deadline check.
+        evidence = {**evidence, "forced_before_deadline": True}
+
+    def refuse_unless_allowed() -> None:
+        # Raised inside the transaction block, a refusal rolls it (or its
+        # savepoint) back: a lock taken by resolve_lock is released with it.
+        with conn.cursor(row_factory=class_row(_Seen)) as cur:
+            seen = cur.execute(query("decision_check"), {"id": message_id}).fetchone()
+        refusal = _refusal(decision, seen)
+        if refusal is not None:
+            raise refusal
+
     with conn.transaction():
+        # Checked first without a lock: a refused decision never holds one.
+        refuse_unless_allowed()
         # Waits for a claim of the message's lane in progress (see resolve_lock).
         conn.execute(query("resolve_lock"), {"id": message_id})
         row = conn.execute(
@@ -169,6 +270,8 @@ def _decide(
                 "id": message_id,
                 "to_state": to_state.value,
                 "from_states": [s.value for s in from_states],
+                "fence": fence,
+                "force_before_deadline": force_before_deadline,
                 "partition": partition,
                 "offset": offset,
                 "reason": reason,
@@ -176,12 +279,68 @@ def _decide(
                 "evidence": Jsonb(dict(evidence)),
             },
         ).fetchone()
-    if row is None or row[0] is None:
-        raise DecisionRefused(f"no message {message_id}")
-    state, moved = State(row[0]), bool(row[1])
-    if not moved:
-        raise DecisionRefused(
-            f"message {message_id} is {state.value}; only "
-            f"{' or '.join(s.value for s in from_states)} messages can be {action}"
+        if row is None or row[0] is None or not row[1]:
+            # It changed between the check and the lock: say how, now.
+            refuse_unless_allowed()
+            raise DecisionRefused(f"message {message_id} changed while the decision was taken")
+    return State(row[0])
+
+
+def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
+    """Why ``decision`` must not apply to the message as ``seen``, or None when it may."""
+    message_id, fence = decision.message_id, decision.fence
+    if seen is None:
+        return DecisionRefused(f"no message {message_id}")
+    changed = fence is not None and seen.fence != fence
+    if seen.state not in decision.from_states:
+        since = f" (it changed since fence {fence}: {_what_changed(seen)})" if changed else ""
+        return DecisionRefused(
+            f"message {message_id} is {seen.state}; only "
+            f"{' or '.join(s.value for s in decision.from_states)} messages can be "
+            f"{decision.action}{since}"
         )
-    return state
+    if changed:
+        return StaleDecision(
+            f"message {message_id} changed since fence {fence}, the fence this decision was "
+            f"made from: {_what_changed(seen)}; run `outbox inspect {message_id}` and decide "
+            "again from what it shows now"
+        )
+    if (
+        decision.to_state is State.PENDING
+        and seen.state == State.UNCERTAIN
+        and not decision.force_before_deadline
+    ):
+        return _before_write_deadline(message_id, seen)
+    return None
+
+
+def _before_write_deadline(message_id: uuid.UUID, seen: _Seen) -> BeforeWriteDeadline | None:
+    """Refuse sending an uncertain message again while its record may still be written."""
+    if seen.unfenced_session is not None:
+        return BeforeWriteDeadline(
+            f"message {message_id} was sent in the Kafka transaction of producer session "
+            f"{seen.unfenced_session}, which has not been fenced: that session may still "
+            "commit its record, and sending it again now may deliver it twice. Run "
+            "`outbox-publisher reconcile`: it fences the session and decides the message from "
+            "what Kafka committed (--force-before-deadline overrides this check, unsafely)"
+        )
+    if seen.write_deadline is not None and seen.write_deadline > seen.checked_at:
+        return BeforeWriteDeadline(
+            f"message {message_id} may still be written by the producer that sent it until "
+            f"{seen.write_deadline.isoformat()} (its write deadline): sending it again before "
+            "then may deliver it twice. Decide it from then on (`outbox-publisher reconcile` "
+            "decides it from Kafka once the deadline has passed); --force-before-deadline "
+            "overrides this check, unsafely"
+        )
+    return None
+
+
+def _what_changed(seen: _Seen) -> str:
+    """The message as it is now, and the last decision taken on it."""
+    now = f"it is {seen.state} at fence {seen.fence}, after {seen.attempts} attempt(s)"
+    if seen.decided_at is None:
+        return now
+    return (
+        f"{now}; last decision {seen.from_state} -> {seen.to_state} by {seen.decided_by} at "
+        f"{seen.decided_at.isoformat()}"
+    )

@@ -374,12 +374,44 @@ WITH d AS (
 )
 SELECT id FROM decided
 
+-- name: decision_check
+-- What an operator's decision is checked against, read without taking a lock
+-- (a refused decision holds none: see resolve_lock): the message's state as
+-- outbox.message_status derives it, its fence (raised by every claim, every
+-- recovery and every operator decision, so a decision names the fence it was
+-- made from), its attempts and the last decision taken on it; and, for an
+-- uncertain message, what may still write its record: until write_deadline
+-- the producer that sent it (idempotent delivery; the batch's deadline, or
+-- the row's available_at for a row without one), or its Kafka transaction
+-- session until the reconciler has fenced it (transactional delivery: the
+-- reconciler fences a session before it decides or escalates any of its
+-- messages, so an escalated message's session is fenced). The clock is the
+-- wall clock, as the publisher's deadline is.
+SELECT s.state, s.fence, s.attempts, clock_timestamp() AS checked_at,
+       CASE WHEN s.state = 'uncertain' AND b.transactional_id IS NULL
+            THEN coalesce(b.write_deadline, s.available_at) END AS write_deadline,
+       CASE WHEN s.state = 'uncertain' AND s.escalated_at IS NULL
+            THEN b.transactional_id END AS unfenced_session,
+       d.decided_at, d.decided_by, d.from_state, d.to_state
+FROM outbox.message_status AS s
+LEFT JOIN outbox.batches AS b ON b.id = s.batch_id
+LEFT JOIN LATERAL (
+    SELECT decided_at, decided_by, from_state, to_state
+    FROM outbox.decisions
+    WHERE message_id = s.id
+    ORDER BY id DESC
+    LIMIT 1
+) AS d ON true
+WHERE s.id = %(id)s
+
 -- name: resolve_lock
--- First half of an operator's decision, in its transaction: lock the message
--- and its lane. A claim reads its lanes FOR SHARE, so this waits for a claim
--- in progress and holds later claims of the lane off until the decision
--- commits; resolve_message, the next statement, then sees every batch that
--- names the message.
+-- Second step of an operator's decision, taken only once decision_check found
+-- nothing to refuse, in the decision's transaction: lock the message and its
+-- lane. A claim reads its lanes FOR SHARE, so this waits for a claim in
+-- progress and holds later claims of the lane off until the decision commits;
+-- resolve_message, the next statement, then sees every batch that names the
+-- message. A decision refused after this (the message changed meanwhile)
+-- rolls its transaction, or savepoint, back, which releases both locks.
 SELECT l.lane
 FROM outbox.messages AS m
 JOIN outbox.lanes AS l ON l.lane = m.lane
@@ -387,18 +419,30 @@ WHERE m.id = %(id)s
 FOR UPDATE OF m, l
 
 -- name: resolve_message
--- An operator's decision on one message, recorded with its reason. Only
--- messages in one of from_states move (the state as outbox.message_status
--- derives it: a pending message named by an open batch is in flight); the
--- result says which state it was in.
+-- An operator's decision on one message, recorded with its reason. The
+-- message moves only if it is in one of from_states (the state as
+-- outbox.message_status derives it: a pending message named by an open batch
+-- is in flight), still at the fence the decision names (NULL: not checked),
+-- and, moving an uncertain message to pending, only once nothing can write
+-- its record any more (as decision_check says), unless forced. The decision
+-- raises the fence: a second decision made from the same reading is refused.
+-- The result says which state it was in and whether it moved.
 WITH target AS (
-    SELECT id, state FROM outbox.message_status WHERE id = %(id)s
+    SELECT s.id, s.state, s.fence,
+           s.state = 'uncertain' AND CASE
+               WHEN b.transactional_id IS NOT NULL THEN s.escalated_at IS NULL
+               ELSE coalesce(b.write_deadline, s.available_at) > clock_timestamp()
+           END AS may_still_be_written
+    FROM outbox.message_status AS s
+    LEFT JOIN outbox.batches AS b ON b.id = s.batch_id
+    WHERE s.id = %(id)s
 ), decision AS (
     SELECT %(to_state)s::text AS to_state, %(reason)s::text AS reason,
            %(partition)s::integer AS kafka_partition, %(offset)s::bigint AS kafka_offset
 ), moved AS (
     UPDATE outbox.messages AS m
     SET state = d.to_state,
+        fence = m.fence + 1,
         kafka_partition = CASE WHEN d.to_state = 'delivered'
                                THEN coalesce(d.kafka_partition, m.kafka_partition) END,
         kafka_offset = CASE WHEN d.to_state = 'delivered' THEN d.kafka_offset END,
@@ -411,6 +455,9 @@ WITH target AS (
         updated_at = now()
     FROM target AS t, decision AS d
     WHERE m.id = t.id AND t.state = ANY(%(from_states)s::text[])
+      AND (%(fence)s::bigint IS NULL OR m.fence = %(fence)s::bigint)
+      AND NOT (d.to_state = 'pending' AND t.may_still_be_written
+               AND NOT %(force_before_deadline)s::boolean)
     RETURNING m.id, t.state AS from_state, d.to_state, d.reason
 ), logged AS (
     INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason, evidence)
@@ -421,10 +468,13 @@ SELECT (SELECT state FROM target), EXISTS (SELECT 1 FROM moved)
 
 -- name: retry_quarantined
 -- An operator sends every quarantined message (of one topic, or all) again,
--- with a fresh retry budget; each decision is recorded with its reason.
+-- with a fresh retry budget; each decision is recorded with its reason and
+-- raises the fence, as resolve_message does. A quarantined message's record
+-- was refused, not sent, so no write deadline applies.
 WITH moved AS (
     UPDATE outbox.messages AS m
     SET state = 'pending',
+        fence = m.fence + 1,
         available_at = now(),
         failures = 0,
         last_error = format('pending by an operator: %%s', %(reason)s::text),
@@ -660,7 +710,8 @@ WHERE m.id = %(id)s AND m.state = 'pending' AND h.held_by <> m.id
 
 -- name: list_messages
 -- Messages in one state, oldest first; one more than asked shows there are more.
-SELECT id, topic, key, state, created_at, attempts, failures, available_at, lease_owner,
+-- The fence is what an operator's decision names (see decision_check).
+SELECT id, topic, key, state, created_at, attempts, fence, failures, available_at, lease_owner,
        lease_expires_at, kafka_partition, kafka_offset, delivered_at, escalated_at, last_error
 FROM outbox.message_status
 WHERE state = %(state)s AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)

@@ -317,7 +317,8 @@ def listing_text(listing: Listing, *, now: datetime) -> str:
     """``outbox list``: one line per message, oldest first."""
     if not listing.messages:
         return "no messages"
-    rows = [["ID", "TOPIC", "KEY", "AGE", "ATTEMPTS", "DETAIL"]]
+    # The fence is what a decision on the message names (resolve/retry/discard --fence).
+    rows = [["ID", "TOPIC", "KEY", "AGE", "ATTEMPTS", "FENCE", "DETAIL"]]
     for m in listing.messages:
         rows.append(
             [
@@ -326,10 +327,11 @@ def listing_text(listing: Listing, *, now: datetime) -> str:
                 printable(key_text(m["key"])) or "-",
                 age((now - m["created_at"]).total_seconds()),
                 str(m["attempts"]),
+                str(m["fence"]),
                 _list_detail(m),
             ]
         )
-    text = table(rows, right=frozenset({3, 4}))
+    text = table(rows, right=frozenset({3, 4, 5}))
     if listing.more:
         text += f"\n(more than {len(listing.messages)}; raise --limit to see them)"
     return text

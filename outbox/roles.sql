@@ -60,11 +60,12 @@ GRANT DELETE ON outbox.messages, outbox.attempts, outbox.decisions, outbox.batch
 -- resolve, retry and discard (resolve_lock, resolve_message,
 -- retry_quarantined), each recorded in outbox.decisions. No DELETE: the
 -- decisions an operator took cannot be erased by one (retention is the
--- publisher role's).
+-- publisher role's). A decision raises the message's fence, so that a second
+-- decision made from the same reading is refused.
 GRANT USAGE ON SCHEMA outbox TO {operator};
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {operator};
-GRANT UPDATE (state, kafka_partition, kafka_offset, delivered_at, available_at, escalated_at,
-              failures, last_error, updated_at)
+GRANT UPDATE (state, fence, kafka_partition, kafka_offset, delivered_at, available_at,
+              escalated_at, failures, last_error, updated_at)
     ON outbox.messages TO {operator};
 -- Only so that resolve_lock can lock the message's lane FOR UPDATE.
 GRANT UPDATE (acquired_at) ON outbox.lanes TO {operator};

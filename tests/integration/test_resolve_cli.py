@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tests.support import (
     delete_topic,
     fetch_rows,
     make_uncertain,
+    make_uncertain_in_transaction,
     run_outbox_cli,
     send_record,
 )
@@ -56,6 +58,13 @@ def _state(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
         message_id,
     )
     return row
+
+
+def _fence(database_url: str, message_id: uuid.UUID) -> str:
+    """The message's fence as ``outbox inspect --json`` shows it, for a decision's --fence."""
+    result = _outbox("inspect", str(message_id), "--json", url=database_url)
+    assert result.returncode in (0, 1), result.stderr
+    return str(json.loads(result.stdout)["message"]["fence"])
 
 
 def _decisions(database_url: str) -> list[tuple[Any, ...]]:
@@ -115,6 +124,8 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
         "resolve",
         str(message_id),
         "--delivered",
+        "--fence",
+        _fence(database_url, message_id),
         "--partition",
         "2",
         "--offset",
@@ -151,7 +162,14 @@ def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
     [(from_state,)] = fetch_rows(database_url, "SELECT state FROM outbox.messages")
 
     result = _outbox(
-        "resolve", str(message_id), flag, "--reason", "checked by hand", url=database_url
+        "resolve",
+        str(message_id),
+        flag,
+        "--fence",
+        _fence(database_url, message_id),
+        "--reason",
+        "checked by hand",
+        url=database_url,
     )
     assert result.returncode == 0, result.stderr
     assert f"{from_state} -> {to_state}" in result.stdout
@@ -196,8 +214,11 @@ def test_resolve_refuses_a_pending_message_naming_its_state(database_url: str) -
 def test_resolve_refuses_a_delivered_message_naming_its_state(database_url: str) -> None:
     """Resolving a delivered message exits 2 and says it is delivered."""
     message_id = _delivered(database_url)
+    fence = _fence(database_url, message_id)
     before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
-    result = _outbox("resolve", str(message_id), "--pending", "--reason", "x", url=database_url)
+    result = _outbox(
+        "resolve", str(message_id), "--pending", "--fence", fence, "--reason", "x", url=database_url
+    )
     _assert_refused(result, database_url, before)
     assert f"message {message_id} is delivered" in result.stderr
 
@@ -313,3 +334,211 @@ def test_outbox_reconcile_names_the_publisher_command_and_its_extra(database_url
     assert "pip install 'pg-kafka-outbox[publisher]'" in line
     assert _state(database_url, message_id)[0] == "uncertain"
     assert _decisions(database_url) == []
+
+
+# --- decisions name the fence they were made from ------------------------------
+
+
+def test_resolve_pending_or_delivered_without_a_fence_is_refused(database_url: str) -> None:
+    """resolve --pending / --delivered without --fence exits 2, names --fence, moves nothing."""
+    message_id = _uncertain(database_url)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    for flag in ("--pending", "--delivered"):
+        result = _outbox("resolve", str(message_id), flag, "--reason", "x", url=database_url)
+        _assert_refused(result, database_url, before)
+        assert f"{flag} needs --fence N" in result.stderr
+        assert f"outbox inspect {message_id}" in result.stderr
+
+
+def test_a_pending_decision_from_a_stale_reading_is_refused(database_url: str) -> None:
+    """Two operators read the same uncertain message; the first sends it again and that
+    attempt is uncertain too: the second's --pending, made from the first reading, is refused
+    with exit 2 naming what changed, and the message is not sent a third time."""
+    message_id = _uncertain(database_url)
+    read = _fence(database_url, message_id)
+    first = _outbox(
+        "resolve",
+        str(message_id),
+        "--pending",
+        "--fence",
+        read,
+        "--reason",
+        "absent",
+        url=database_url,
+    )
+    assert first.returncode == 0, first.stderr
+    assert set(make_uncertain(database_url)) == {message_id}  # the retry is uncertain again
+    now = _fence(database_url, message_id)
+
+    second = _outbox(
+        "resolve",
+        str(message_id),
+        "--pending",
+        "--fence",
+        read,
+        "--reason",
+        "absent",
+        url=database_url,
+    )
+
+    assert second.returncode == 2
+    assert second.stdout == ""
+    [line] = second.stderr.splitlines()
+    assert line.startswith(f"outbox: message {message_id} changed since fence {read}")
+    assert f"it is uncertain at fence {now}, after 2 attempt(s)" in line
+    assert "last decision uncertain -> pending by operator " in line
+    assert f"run `outbox inspect {message_id}`" in line
+    assert _state(database_url, message_id)[0] == "uncertain"
+    assert [d[3] for d in _decisions(database_url)] == ["pending"]
+
+
+def test_a_discard_from_a_stale_reading_of_a_retried_message_is_refused(
+    database_url: str,
+) -> None:
+    """An operator retries a quarantined message; another, who read it quarantined, discards
+    it with the fence read: refused (exit 2), the message stays pending for its retry."""
+    message_id = _quarantined(database_url)
+    read = _fence(database_url, message_id)
+    retried = _outbox(
+        "retry", str(message_id), "--fence", read, "--reason", "limit raised", url=database_url
+    )
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stderr == ""
+
+    discarded = _outbox(
+        "discard", str(message_id), "--fence", read, "--reason", "too big", url=database_url
+    )
+
+    assert discarded.returncode == 2
+    assert f"message {message_id} changed since fence {read}" in discarded.stderr
+    assert "last decision quarantined -> pending" in discarded.stderr
+    assert _state(database_url, message_id)[0] == "pending"
+    assert [d[3] for d in _decisions(database_url)] == ["pending"]
+
+
+def test_a_decision_without_a_fence_applies_with_a_warning(database_url: str) -> None:
+    """discard (and retry) without --fence decide, exit 0, and warn that nothing was checked."""
+    message_id = _quarantined(database_url)
+    result = _outbox("discard", str(message_id), "--reason", "obsolete", url=database_url)
+    assert result.returncode == 0, result.stderr
+    assert "quarantined -> discarded" in result.stdout
+    [warning] = result.stderr.splitlines()
+    assert warning.startswith("outbox: warning: no --fence given")
+    assert f"outbox inspect {message_id}" in warning
+    assert _state(database_url, message_id)[0] == "discarded"
+
+
+def test_list_and_inspect_show_the_fence_a_decision_names(database_url: str) -> None:
+    """outbox list (table and JSON) and inspect show the message's fence, the same number."""
+    message_id = _quarantined(database_url)
+    fence = _fence(database_url, message_id)
+    listed = _outbox("list", "--state", "quarantined", "--json", url=database_url)
+    assert listed.returncode == 0, listed.stderr
+    [shown] = json.loads(listed.stdout)["messages"]
+    assert str(shown["fence"]) == fence
+    table = _outbox("list", "--state", "quarantined", url=database_url)
+    header, row = table.stdout.splitlines()
+    assert header.split()[5] == "FENCE"
+    assert row.split()[5] == fence
+    story = _outbox("inspect", str(message_id), url=database_url)
+    assert f"outbox retry ID --fence {fence}" in story.stdout
+
+
+# --- --pending waits until nothing can write the record -------------------------
+
+
+def test_resolve_pending_before_the_write_deadline_is_refused_unless_forced(
+    database_url: str,
+) -> None:
+    """--pending on an uncertain message whose producer may still write it exits 2 and names
+    the deadline; --force-before-deadline decides anyway and records that it was forced."""
+    message_id = _enqueue(database_url)
+    make_uncertain(database_url, longest_send_seconds=600)
+    [(deadline,)] = fetch_rows(
+        database_url,
+        "SELECT b.write_deadline FROM outbox.messages AS m "
+        "JOIN outbox.batches AS b ON b.id = m.batch_id",
+    )
+    fence = _fence(database_url, message_id)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+
+    refused = _outbox(
+        "resolve",
+        str(message_id),
+        "--pending",
+        "--fence",
+        fence,
+        "--reason",
+        "absent",
+        url=database_url,
+    )
+
+    _assert_refused(refused, database_url, before)
+    assert f"may still be written by the producer that sent it until {deadline.isoformat()}" in (
+        refused.stderr
+    )
+    assert "--force-before-deadline" in refused.stderr
+
+    forced = _outbox(
+        "resolve",
+        str(message_id),
+        "--pending",
+        "--fence",
+        fence,
+        "--force-before-deadline",
+        "--reason",
+        "the producer host is gone for good",
+        url=database_url,
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert _state(database_url, message_id)[0] == "pending"
+    [decision] = _decisions(database_url)
+    assert decision[5] == {"forced_before_deadline": True}
+
+
+def test_resolve_pending_of_an_unfenced_transaction_names_the_reconciler(
+    database_url: str,
+) -> None:
+    """--pending on a message sent in a Kafka transaction whose session is not fenced yet exits
+    2 and says outbox-publisher reconcile fences and decides it; once the reconciler fenced the
+    session (and escalated the message), --pending applies."""
+    message_id = _enqueue(database_url)
+    make_uncertain_in_transaction(database_url, "outbox-test-session-1")
+    fence = _fence(database_url, message_id)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    args = ("resolve", str(message_id), "--pending", "--fence", fence, "--reason", "absent")
+
+    refused = _outbox(*args, url=database_url)
+
+    _assert_refused(refused, database_url, before)
+    assert "producer session outbox-test-session-1, which has not been fenced" in refused.stderr
+    assert "`outbox-publisher reconcile`: it fences the session" in refused.stderr
+
+    # What the reconciler leaves after fencing the session, when the evidence is gone.
+    fetch_rows(
+        database_url,
+        "UPDATE outbox.messages SET escalated_at = now(), last_error = 'topic deleted' "
+        "RETURNING id",
+    )
+    decided = _outbox(*args, url=database_url)
+    assert decided.returncode == 0, decided.stderr
+    assert _state(database_url, message_id)[0] == "pending"
+
+
+def test_resolve_delivered_before_the_write_deadline_applies(database_url: str) -> None:
+    """--delivered sends nothing, so the write deadline does not hold it back."""
+    message_id = _enqueue(database_url)
+    make_uncertain(database_url, longest_send_seconds=600)
+    fence = _fence(database_url, message_id)
+    result = _outbox(
+        "resolve",
+        str(message_id),
+        "--delivered",
+        "--fence",
+        fence,
+        "--reason",
+        "seen in topic",
+        url=database_url,
+    )
+    assert result.returncode == 0, result.stderr
+    assert _state(database_url, message_id)[0] == "delivered"

@@ -212,8 +212,18 @@ def test_the_operator_reads_and_decides_but_enqueues_deletes_and_purges_nothing(
     assert json.loads(cli("status", "--json"))["counts"]["quarantined"] == 2
     listed = json.loads(cli("list", "--state", "quarantined", "--json"))["messages"]
     assert {m["id"] for m in listed} == {str(quarantined), str(dropped)}
-    assert json.loads(cli("inspect", str(uncertain), "--json"))["needs_action"] is True
-    cli("resolve", str(uncertain), "--delivered", "--reason", "found it in the topic")
+    story = json.loads(cli("inspect", str(uncertain), "--json"))
+    assert story["needs_action"] is True
+    fence = str(story["message"]["fence"])
+    cli(
+        "resolve",
+        str(uncertain),
+        "--delivered",
+        "--fence",
+        fence,
+        "--reason",
+        "found it in the topic",
+    )
     cli("retry", str(quarantined))
     cli("discard", str(dropped), "--reason", "obsolete")
 

@@ -22,6 +22,7 @@ USED_NAMES = [
     "settle_batch",
     "settle_delivered",
     "recover_expired_leases",
+    "decision_check",
     "resolve_lock",
     "uncertain_due",
     "decide_uncertain",

@@ -1,0 +1,115 @@
+"""Operator decisions (``outbox.operator``) against claims, stale evidence and write deadlines."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+from psycopg.pq import TransactionStatus
+
+import outbox
+from outbox.operator import DecisionRefused, Resolution, discard, resolve
+from publisher.store import claim_statement
+from tests.support import ClaimingStore, fetch_rows, wait_until, waiting_on_lock
+
+pytestmark = pytest.mark.integration
+
+
+def _claiming_store_with_lock_timeout(database_url: str) -> ClaimingStore:
+    """A claiming store whose statements give up after 5 s waiting for a lock (not forever)."""
+    store = ClaimingStore(make_conninfo(database_url, options="-c lock_timeout=5s"), uuid.uuid4())
+    store.take_all_lanes()
+    return store
+
+
+def _fence(database_url: str, message_id: uuid.UUID) -> Any:
+    [(fence,)] = fetch_rows(
+        database_url, "SELECT fence FROM outbox.messages WHERE id = %s", message_id
+    )
+    return fence
+
+
+def test_a_refused_decision_held_open_lets_a_claim_take_the_key_in_order(
+    database_url: str,
+) -> None:
+    """A decision refused inside a transaction the caller keeps open holds no lock: a claim
+    goes on at once and takes the key's earlier message ahead of the later one."""
+    with psycopg.connect(database_url) as conn:
+        first, later = outbox.enqueue_many(
+            conn, [outbox.Message("t", b"1", key="k"), outbox.Message("t", b"2", key="k")]
+        )
+    store = _claiming_store_with_lock_timeout(database_url)
+    try:
+        with psycopg.connect(database_url) as operator:
+            operator.execute("SELECT 1")  # the caller's own transaction, left open
+            with pytest.raises(DecisionRefused, match=f"message {first} is pending"):
+                resolve(
+                    operator,
+                    first,
+                    Resolution.DELIVERED,
+                    "seen in the topic",
+                    fence=_fence(database_url, first),
+                )
+            assert operator.info.transaction_status == TransactionStatus.INTRANS
+
+            batch = store.claim(10, lease_seconds=30)
+
+            assert batch is not None
+            assert [m.id for m in batch.messages] == [first, later]
+            operator.rollback()
+    finally:
+        store.close()
+
+
+def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
+    database_url: str,
+) -> None:
+    """A decision on a pending message waits for a claim of its lane in progress, then sees
+    the message in flight and refuses: a decision never races a claim."""
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, "t", b"payload")
+    store = _claiming_store_with_lock_timeout(database_url)
+    name = f"decision-{uuid.uuid4().hex[:8]}"
+    outcome: list[BaseException | str] = []
+
+    def decide() -> None:
+        with psycopg.connect(database_url, application_name=name) as conn:
+            try:
+                discard(conn, message_id, "obsolete", fence=_fence(database_url, message_id))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.append(exc)
+            else:
+                outcome.append("discarded")
+
+    try:
+        with psycopg.connect(database_url) as claiming:
+            claimed = claiming.execute(
+                claim_statement(ahead=False),
+                {
+                    "limit": 10,
+                    "owner": store.publisher_id,
+                    "lease_seconds": 30.0,
+                    "horizon": None,
+                },
+            ).fetchall()
+            assert [row[0] for row in claimed] == [message_id]
+            decider = threading.Thread(target=decide)
+            decider.start()
+            wait_until(
+                lambda: waiting_on_lock(database_url, name),
+                timeout=10,
+                what="the decision to wait for the claim",
+            )
+            claiming.commit()
+        decider.join(timeout=30)
+        assert not decider.is_alive()
+    finally:
+        store.close()
+    [refused] = outcome
+    assert isinstance(refused, DecisionRefused)
+    assert f"message {message_id} is in_flight" in str(refused)
+    assert fetch_rows(database_url, "SELECT count(*) FROM outbox.decisions") == [(0,)]
