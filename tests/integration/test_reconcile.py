@@ -241,6 +241,7 @@ def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once
         "scan_from": 0,
         "scan_to": end,
         "log_start": 0,
+        "passes": 1,
     }
     assert f"offsets [0, {end})" in reason
 
