@@ -4,7 +4,11 @@ A message is uncertain when its record may or may not have been written. Once
 the producer that sent it can no longer write (its lease is gone and the
 delivery timeout has passed since sending began), the reconciler reads the
 message's partition from the highest offset confirmed before its attempt to
-the partition's end, looking for the message id in the ``outbox-id`` header:
+its bound, looking for the message id in the ``outbox-id`` header. The bound
+is the partition's end the first time it is observed once that producer can
+write nothing more (see ``Reconciler._range_of``): fixed, however fast other
+producers append; and a pass that runs out of time leaves the next one to go
+on where it stopped (``_Range``), so every range is read to its end.
 
 * found: ``delivered`` at the offset found;
 * not found, once a grace period after the write deadline has passed too
