@@ -4,7 +4,11 @@ A message is uncertain when its record may or may not have been written. Once
 the producer that sent it can no longer write (its lease is gone and the
 delivery timeout has passed since sending began), the reconciler reads the
 message's partition from the highest offset confirmed before its attempt to
-the partition's end, looking for the message id in the ``outbox-id`` header:
+its bound, looking for the message id in the ``outbox-id`` header. The bound
+is the partition's end the first time it is observed once that producer can
+write nothing more (see ``Reconciler._range_of``): fixed, however fast other
+producers append; and a pass that runs out of time leaves the next one to go
+on where it stopped (``_Range``), so every range is read to its end.
 
 * found: ``delivered`` at the offset found;
 * not found, once a grace period after the write deadline has passed too
@@ -74,6 +78,59 @@ def _scan_start(message: UncertainMessage, topic: str, partition: int) -> int:
     return int(confirmed) + 1 if confirmed is not None else 0
 
 
+@dataclass
+class _Range:
+    """One uncertain message's range of its partition, as read so far, across passes.
+
+    The range runs from ``start`` (above the offset confirmed before its
+    attempt) to ``bound`` once that is known; before, to the end of the moment.
+    ``[start, position)`` has been read (or found deleted: ``deleted``), and
+    what was found there is kept, so a pass goes on where the last one stopped.
+    Kept in memory only: a reconciler that restarts reads the range again from
+    its start, with a bound observed again, later and so larger, but as safe.
+    """
+
+    start: int
+    #: The first offset not read yet.
+    position: int
+    #: The partition's end offset the first time it was observed once the
+    #: message's producer could write nothing more (see ``Reconciler``): its
+    #: record, if any, is below it, so the range never reaches past it.
+    bound: int | None = None
+    #: Offsets of the range where its record was found.
+    found: list[int] = field(default_factory=list)
+    #: Records of its key read in the range (see ``Scan.key_records``).
+    key_records: int = 0
+    #: Message ids of the records of its key read in the range.
+    key_ids: set[str] = field(default_factory=set)
+    #: Offsets of its range deleted before they could be read, if any.
+    deleted: tuple[int, int] | None = None
+    #: Set once the range was read without finding it, on a topic that may be
+    #: compacted: the end observed after that read, up to which records of its
+    #: key are looked for too (one of them may have compacted its record away).
+    sweep_to: int | None = None
+    #: Passes that read part of the range.
+    passes: int = 0
+
+    @property
+    def target(self) -> int | None:
+        """Where the range ends now, if it is fixed yet."""
+        return self.sweep_to if self.sweep_to is not None else self.bound
+
+    def take(self, scan: Scan, read_to: int, *, message_id: str, key: bytes | None) -> None:
+        """Add what a scan read up to ``read_to`` found of this message and its key."""
+        self.passes += 1
+        for offset in scan.found.get(message_id, []):
+            # The shared scan may start lower, for another message of the partition.
+            if offset >= self.start and offset not in self.found:
+                self.found.append(offset)
+        self.found.sort()
+        if key is not None:
+            self.key_records += scan.key_records.get(key, 0)
+            self.key_ids |= scan.by_key.get(key, set())
+        self.position = max(self.position, read_to)
+
+
 #: Kafka's default ``replica.lag.time.max.ms``, in seconds.
 DEFAULT_ABSENCE_GRACE = 30.0
 
@@ -105,11 +162,19 @@ class Reconciler:
         self.progress: Callable[[], None] = lambda: None
         #: Partitions already reported to hold foreign ``outbox-id`` headers.
         self._foreign_seen: set[tuple[str, int]] = set()
+        #: Each undecided message's range as read so far, by (id, fence): a
+        #: later attempt of the message (a higher fence) has a range of its own.
+        self._ranges: dict[tuple[uuid.UUID, int], _Range] = {}
 
     def run_once(self) -> ReconcileReport:
         """Decide every due uncertain message (up to ``limit``) and record the decisions."""
         report = ReconcileReport()
         due = self.store.uncertain_due(self.limit, self.absence_grace)
+        if len(due) < self.limit:
+            # Ranges of messages no longer uncertain (decided elsewhere) are
+            # forgotten; with a full page, one beyond it may still be.
+            current = {(m.id, m.fence) for m in due}
+            self._ranges = {k: r for k, r in self._ranges.items() if k in current}
         due = self._fence(due, report)
         if not due:
             return report
@@ -119,6 +184,8 @@ class Reconciler:
             by_topic[message.topic].append(message)
         for topic, messages in by_topic.items():
             decisions.extend(self._decide_topic(topic, messages, report))
+        for d in decisions:
+            self._ranges.pop((d.message_id, d.fence), None)
         changed = self.store.decide(decisions, self.decided_by)
         for d in decisions:
             mlog = MessageLog(log, d.message_id, fence=d.fence)
@@ -208,26 +275,95 @@ class Reconciler:
         report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
         return [m for m in due if m.transactional_id not in unfenced]
 
-    def _stable_below(self, topic: str, partition: int, end: int) -> bool:
-        """Whether no transaction is open below ``end``, so read_committed reads up to it.
+    def _stable_up_to(self, topic: str, partition: int) -> int:
+        """The partition's last stable offset: read_committed reads only below it.
 
-        The fenced sessions wrote below ``end`` (read after the fence): their
-        records are committed or aborted now. But read_committed reads only
-        below the last stable offset, which another publisher's open
-        transaction holds down until it ends.
+        The fenced sessions wrote below the bound (observed after the fence):
+        their records are committed or aborted now. But another publisher's
+        open transaction holds the last stable offset down until it ends.
         """
         _, stable = self.scanner.offset_range(topic, partition, committed=True)
-        if stable < end:
-            log.info(
-                "%s[%d]: a transaction is open below offset %d (stable up to %d); deciding later",
-                topic,
-                partition,
-                end,
-                stable,
-            )
-        return stable >= end
+        return stable
 
-    def _decide_partition(  # noqa: PLR0912 - one decision table, read top to bottom
+    def _range_of(self, message: UncertainMessage, topic: str, partition: int, end: int) -> _Range:
+        """The message's range as read so far, its bound taken now if it is due.
+
+        The bound. A record of the message can only have been written by the
+        producer session its attempt sent it with, and that session can write
+        nothing more: in idempotent delivery, once its write deadline has
+        passed (the publisher drops what it still holds at the deadline, at the
+        last step before the socket) and the absence grace after it (a record
+        the leader wrote before the deadline but had not replicated yet sits
+        above the end offset, the high watermark, until the followers copy it
+        or drop out of the in-sync replicas); in transactional delivery, once
+        its session was fenced (this pass or an earlier one of this
+        reconciler), which aborted or completed its transaction. Whatever it
+        wrote is then below the end offset observed from that moment on, and
+        stays below it: the first such end is the bound, and offsets past it,
+        however many other producers append there, hold only others' records.
+        The end is read from the broker after the deadline and the grace, or
+        the fence, have passed; never derived from record timestamps
+        (``offsets_for_times``), which other producers set as they like and
+        which could put the bound below the record, proving a present record
+        absent.
+        """
+        key = (message.id, message.fence)
+        found = self._ranges.get(key)
+        if found is None:
+            start = _scan_start(message, topic, partition)
+            found = self._ranges[key] = _Range(start, start)
+        if message.absence_due and found.bound is None and found.start <= end:
+            found.bound = end
+        return found
+
+    @staticmethod
+    def _truncated(
+        message: UncertainMessage, r: _Range, topic: str, partition: int, offsets: tuple[int, int]
+    ) -> Decision | None:
+        """Escalation if the partition now ends below offsets its range knew, else ``None``.
+
+        Below the offset confirmed before its attempt, below its bound, or
+        below offsets already read: the log those were in is not this one
+        (truncated, or the topic was deleted and created again), and the range
+        to read means nothing.
+        """
+        log_start, end = offsets
+        if r.start > end:
+            return Reconciler._escalate(
+                message,
+                f"{topic}[{partition}] ends at offset {end}, below offset "
+                f"{r.start - 1} confirmed before its attempt: the log was truncated, "
+                "or the topic deleted and created again",
+                topic=topic,
+                partition=partition,
+                evidence={
+                    "topic": topic,
+                    "partition": partition,
+                    "confirmed_before": r.start - 1,
+                    "log_start": log_start,
+                    "log_end": end,
+                },
+            )
+        reached = max(r.position, r.bound or 0)
+        if reached > end:
+            return Reconciler._escalate(
+                message,
+                f"{topic}[{partition}] ends at offset {end}, below offset {reached} it "
+                "reached when its range was read earlier: the log was truncated, or the "
+                "topic deleted and created again",
+                topic=topic,
+                partition=partition,
+                evidence={
+                    "topic": topic,
+                    "partition": partition,
+                    "reached": reached,
+                    "log_start": log_start,
+                    "log_end": end,
+                },
+            )
+        return None
+
+    def _decide_partition(  # noqa: PLR0912, PLR0915 - one decision table, read top to bottom
         self,
         topic: str,
         partition: int,
@@ -238,84 +374,101 @@ class Reconciler:
         committed: bool = False,
     ) -> list[Decision]:
         log_start, end = self.scanner.offset_range(topic, partition)
-        if committed and not self._stable_below(topic, partition, end):
-            report.deferred.extend(m.id for m in messages)
-            return []
-        starts = {m.id: _scan_start(m, topic, partition) for m in messages}
         decisions: list[Decision] = []
-        # The partition ends below an offset confirmed before the attempt: the
-        # log it was confirmed in is not this one (truncated, or the topic was
-        # deleted and created again), and the range to read means nothing.
-        for m in [m for m in messages if starts[m.id] > end]:
-            if not m.absence_due:
+        ranges: dict[uuid.UUID, _Range] = {}
+        for m in messages:
+            r = self._range_of(m, topic, partition, end)
+            truncated = self._truncated(m, r, topic, partition, (log_start, end))
+            if truncated is None:
+                ranges[m.id] = r
+            elif not m.absence_due:
                 report.deferred.append(m.id)  # its record may yet appear: wait out the grace
-                continue
-            decisions.append(
-                self._escalate(
-                    m,
-                    f"{topic}[{partition}] ends at offset {end}, below offset "
-                    f"{starts[m.id] - 1} confirmed before its attempt: the log was truncated, "
-                    "or the topic deleted and created again",
-                    topic=topic,
-                    partition=partition,
-                    evidence={
-                        "topic": topic,
-                        "partition": partition,
-                        "confirmed_before": starts[m.id] - 1,
-                        "log_start": log_start,
-                        "log_end": end,
-                    },
+            else:
+                decisions.append(truncated)
+        messages = [m for m in messages if m.id in ranges]
+
+        def target(m: UncertainMessage) -> int:
+            # Before its bound is known (within the grace), the end of the moment.
+            fixed = ranges[m.id].target
+            return end if fixed is None else fixed
+
+        if committed and messages:
+            stable = self._stable_up_to(topic, partition)
+            waiting = [m for m in messages if stable < target(m)]
+            if waiting:
+                log.info(
+                    "%s[%d]: a transaction is open below offset %d (stable up to %d); "
+                    "deciding later",
+                    topic,
+                    partition,
+                    max(target(m) for m in waiting),
+                    stable,
                 )
-            )
-        messages = [m for m in messages if starts[m.id] <= end]
+                report.deferred.extend(m.id for m in waiting)
+                messages = [m for m in messages if stable >= target(m)]
         if not messages:
             return decisions
-        scan_from = max(min(starts[m.id] for m in messages), log_start)
-        lost: EvidenceLost | None = None
-        try:
-            scan = self.scanner.find(
-                topic,
-                partition,
-                scan_from,
-                end,
-                [str(m.id) for m in messages],
-                keys={m.key for m in messages if m.key is not None},
-                committed=committed,
-            )
-        except ScanIncomplete as exc:
-            log.warning("reconciliation deferred: %s", exc)
-            report.deferred.extend(m.id for m in messages)
-            return decisions
-        except EvidenceLost as exc:
-            # Retention deleted part of the range while it was read: what the
-            # scan found still counts; a record it did not find proves nothing.
-            scan, lost = exc.scan, exc
-        if scan.foreign_ids and (topic, partition) not in self._foreign_seen:
-            # Once per partition: another producer's records recur at every pass.
-            self._foreign_seen.add((topic, partition))
-            log.warning(
-                "%s[%d]: skipped %d record(s) whose outbox-id header holds no message id: "
-                "another producer writes that header to this topic",
-                topic,
-                partition,
-                scan.foreign_ids,
-            )
         for m in messages:
+            r = ranges[m.id]
+            if r.position < log_start and r.position < target(m):
+                # Deleted before this reconciler read them: a record missing
+                # from the rest of the range is not proven absent.
+                r.deleted = r.deleted or (r.position, log_start)
+                r.position = log_start
+        # One read of the partition for every message whose range is not read
+        # to its end yet, from where the least read one stopped.
+        unread = [m for m in messages if ranges[m.id].position < target(m)]
+        lost: EvidenceLost | None = None
+        if unread:
+            scan_from = min(ranges[m.id].position for m in unread)
+            scan_to = max(target(m) for m in unread)
+            read_to = scan_to
+            try:
+                scan = self.scanner.find(
+                    topic,
+                    partition,
+                    scan_from,
+                    scan_to,
+                    [str(m.id) for m in unread],
+                    keys={m.key for m in unread if m.key is not None},
+                    committed=committed,
+                )
+            except ScanIncomplete as exc:
+                # What it read counts: the next pass goes on from there, so a
+                # range longer than one pass can read is read over several.
+                log.warning("reconciliation goes on next pass: %s", exc)
+                scan, read_to = exc.scan, exc.position
+            except EvidenceLost as exc:
+                # Retention deleted part of the range while it was read: what
+                # the scan found still counts; a record it did not find proves
+                # nothing, and the position does not move.
+                scan, lost = Scan(found=exc.scan.found), exc
+                read_to = scan_from
+            self._warn_foreign(topic, partition, scan)
+            for m in unread:
+                ranges[m.id].take(scan, read_to, message_id=str(m.id), key=m.key)
+        grown: list[int] = []  # the end observed after this pass's read, once asked
+
+        def end_after_read() -> int:
+            if not grown:
+                grown.append(self.scanner.offset_range(topic, partition)[1])
+            return grown[0]
+
+        for m in messages:
+            r = ranges[m.id]
+            to = target(m)
             evidence: dict[str, object] = {
                 "topic": topic,
                 "partition": partition,
-                "scan_from": max(starts[m.id], log_start),
-                "scan_to": end,
+                "scan_from": max(r.start, log_start),
+                "scan_to": to,
                 "log_start": log_start,
+                "passes": r.passes,
             }
-            # Only offsets above what was confirmed before this message's
-            # attempt can hold its record; the shared scan may start lower
-            # for another message of the same partition.
-            offsets = [o for o in scan.found.get(str(m.id), []) if o >= starts[m.id]]
-            if offsets:
-                reason = f"found in {topic}[{partition}] at offset {offsets[0]}"
-                if len(offsets) > 1:
-                    reason += f" (and again at {', '.join(map(str, offsets[1:]))})"
+            if r.found:
+                reason = f"found in {topic}[{partition}] at offset {r.found[0]}"
+                if len(r.found) > 1:
+                    reason += f" (and again at {', '.join(map(str, r.found[1:]))})"
                 decisions.append(
                     Decision(
                         m.id,
@@ -323,23 +476,50 @@ class Reconciler:
                         State.DELIVERED,
                         reason,
                         partition,
-                        offsets[0],
-                        {**evidence, "found_offsets": offsets},
+                        r.found[0],
+                        {**evidence, "found_offsets": list(r.found)},
                     )
                 )
                 continue
-            if not m.absence_due or (lost is not None and starts[m.id] >= lost.log_start):
-                # Not found yet: within the grace its record may still become
-                # visible; and a range retention cut into while it was read,
-                # but which is still there from this message's start, is read
-                # again next pass.
+            where = f"{topic}[{partition}] offsets [{r.start}, {to})"
+            if lost is not None and m in unread:
+                if m.absence_due and r.position < lost.log_start:
+                    decisions.append(
+                        self._escalate(
+                            m,
+                            f"not found in {where}, and {lost}",
+                            topic=topic,
+                            partition=partition,
+                            evidence=evidence,
+                        )
+                    )
+                else:
+                    # Its range is still there from where it stopped: read again next pass.
+                    report.deferred.append(m.id)
+                continue
+            if r.position < to or not m.absence_due:
+                # Not read to its end yet (the next pass goes on), or within
+                # the grace, when its record may still become visible.
                 report.deferred.append(m.id)
                 continue
-            where = f"{topic}[{partition}] offsets [{starts[m.id]}, {end})"
+            if (
+                r.sweep_to is None
+                and m.key is not None
+                and not r.key_records
+                and end_after_read() > r.position
+                and self._may_compact(cleanup_policy())
+            ):
+                # A record of its key written past what was read could have
+                # compacted its record away before the read reached it. Any
+                # such record was in the log before that read, so below the
+                # end observed after it: the range of its key runs to there.
+                r.sweep_to = end_after_read()
+                report.deferred.append(m.id)
+                continue
             gone = (
-                self._evidence_gone(where, (starts[m.id], log_start, end), lost)
-                or self._compacted_away(m, where, scan, cleanup_policy)
-                or self._overtaken(m, scan)
+                self._evidence_gone(where, r.deleted)
+                or self._compacted_away(m, where, r.key_records, cleanup_policy)
+                or self._overtaken(m, r.key_ids)
             )
             if gone is not None:
                 decisions.append(
@@ -359,29 +539,40 @@ class Reconciler:
                 )
         return decisions
 
-    @staticmethod
-    def _evidence_gone(
-        where: str, offsets: tuple[int, int, int], lost: EvidenceLost | None
-    ) -> str | None:
-        """Why offsets where its record could be are gone, if they are.
-
-        ``offsets`` are where its record could start, the log start and the end.
-        """
-        start, log_start, end = offsets
-        if lost is not None:
-            return f"not found in {where}, and {lost}"
-        if start < log_start:
-            return (
-                f"not found in offsets [{log_start}, {end}), and offsets [{start}, {log_start}) "
-                "where it could be were deleted (retention or compaction)"
+    def _warn_foreign(self, topic: str, partition: int, scan: Scan) -> None:
+        """Report another producer's ``outbox-id`` headers, once per partition."""
+        if scan.foreign_ids and (topic, partition) not in self._foreign_seen:
+            # Once per partition: another producer's records recur at every pass.
+            self._foreign_seen.add((topic, partition))
+            log.warning(
+                "%s[%d]: skipped %d record(s) whose outbox-id header holds no message id: "
+                "another producer writes that header to this topic",
+                topic,
+                partition,
+                scan.foreign_ids,
             )
-        return None
+
+    @staticmethod
+    def _evidence_gone(where: str, deleted: tuple[int, int] | None) -> str | None:
+        """Why offsets where its record could be are gone, if they are."""
+        if deleted is None:
+            return None
+        first, start = deleted
+        return (
+            f"not found in {where} from offset {start}, and offsets [{first}, {start}) where "
+            "it could be were deleted (retention or compaction)"
+        )
+
+    @staticmethod
+    def _may_compact(policy: set[str] | None) -> bool:
+        """Whether a topic of that ``cleanup.policy`` may be compacted (unknown: it may)."""
+        return policy is None or "compact" in policy
 
     @staticmethod
     def _compacted_away(
         message: UncertainMessage,
         where: str,
-        scan: Scan,
+        key_records: int,
         cleanup_policy: Callable[[], set[str] | None],
     ) -> str | None:
         """Why compaction may have removed its record, if it may have.
@@ -390,7 +581,7 @@ class Reconciler:
         with none of its key in the range read, its record cannot have been
         compacted away, and its absence is proof.
         """
-        if message.key is not None and not scan.key_records.get(message.key):
+        if message.key is not None and not key_records:
             return None
         policy = cleanup_policy()
         if policy is None:
@@ -404,7 +595,7 @@ class Reconciler:
             "record may have been written and compacted away"
         )
 
-    def _overtaken(self, message: UncertainMessage, scan: Scan) -> str | None:
+    def _overtaken(self, message: UncertainMessage, key_ids: set[str]) -> str | None:
         """Why sending an absent message now would break its key's order, if it would.
 
         A later message of its key written to the partition since (sent in the
@@ -415,7 +606,7 @@ class Reconciler:
             return None
         # Message ids only (the scan skips other values); ids of no message
         # of this outbox are not later ones of its key.
-        ids = [uuid.UUID(text) for text in scan.by_key.get(message.key, set()) - {str(message.id)}]
+        ids = [uuid.UUID(text) for text in key_ids - {str(message.id)}]
         later = self.store.later_of_key(message.id, ids)
         if not later:
             return None

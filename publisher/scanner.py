@@ -27,7 +27,18 @@ _MESSAGE_ID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9
 
 
 class ScanIncomplete(Exception):
-    """The scan did not reach its end offset in time; nothing can be concluded yet."""
+    """The scan did not reach its end offset in time; what it read so far still counts.
+
+    ``scan`` holds what was read from the range's start up to ``position``
+    (the first offset not read), so a later scan can go on from there instead
+    of reading the range again: a range longer than one scan can read is still
+    read to its end, over several.
+    """
+
+    def __init__(self, message: str, scan: Scan, position: int) -> None:
+        super().__init__(message)
+        self.scan = scan
+        self.position = position
 
 
 @dataclass
@@ -128,7 +139,8 @@ class LogScanner(Protocol):
         Records count as ``Scan.add`` counts them: one whose ``outbox-id``
         holds no message id is skipped, never an error. Raises
         ``EvidenceLost`` when part of the range is deleted before it is read,
-        and ``ScanIncomplete`` when the end is not reached in time.
+        and ``ScanIncomplete`` (with what was read, and up to where) when the
+        end is not reached in time.
         """
         ...
 
@@ -239,7 +251,9 @@ class KafkaLogScanner:
             if time.monotonic() > deadline:
                 raise ScanIncomplete(
                     f"{topic}[{partition}] read up to {position} of "
-                    f"[{start}, {end}) in {self._timeout:g}s"
+                    f"[{start}, {end}) in {self._timeout:g}s",
+                    scan,
+                    position,
                 )
             try:
                 polled = consumer.poll(timeout_ms=500)

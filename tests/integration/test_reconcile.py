@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
-from publisher.scanner import KafkaLogScanner
+from publisher.scanner import KafkaLogScanner, Scan, ScanIncomplete
 from publisher.store import Settlement
 from tests.support import (
     DELIVERY_MODES,
@@ -241,6 +241,7 @@ def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once
         "scan_from": 0,
         "scan_to": end,
         "log_start": 0,
+        "passes": 1,
     }
     assert f"offsets [0, {end})" in reason
 
@@ -746,3 +747,69 @@ def test_a_record_whose_outbox_id_header_has_no_value_does_not_stop_a_pass(
 
     assert report.delivered == [message_id]
     assert _message(database_url, message_id)[:3] == ("delivered", 0, offset)
+
+
+class _BusyPartitionScanner(KafkaLogScanner):
+    """The real scanner on a busy partition: another producer appends 3 records at every
+    look at its end, and a scan reads at most 4 offsets, as one that runs out of time."""
+
+    per_pass = 4
+
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        send_raw(self._bootstrap_servers, topic, partition, [(b"other", [])] * 3)
+        return super().offset_range(topic, partition, committed=committed)
+
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+        committed: bool = False,
+    ) -> Scan:
+        stop = min(end, start + self.per_pass)
+        scan = super().find(topic, partition, start, stop, ids, keys=keys, committed=committed)
+        if stop < end:
+            raise ScanIncomplete(
+                f"{topic}[{partition}] read up to {stop} of [{start}, {end})", scan, stop
+            )
+        return scan
+
+
+@pytest.mark.parametrize("present", [True, False], ids=["found", "proven-absent"])
+def test_a_range_longer_than_a_pass_on_a_busy_partition_is_decided(
+    database_url: str, kafka_bootstrap: str, topic: str, sent: Sent, *, present: bool
+) -> None:
+    """The partition grows at every look and a pass reads 4 offsets: each pass goes on
+    where the last stopped, up to the end first seen once the producer could write nothing
+    more, so the message is decided in a few passes instead of never."""
+    message_id = _enqueue(database_url, topic)
+    partition = sent.make_uncertain(database_url)[message_id]
+    send_raw(kafka_bootstrap, topic, partition, [(b"other", [])] * 10)
+    at = sent.write(topic, partition, message_id) if present else None
+    store = claiming_store(database_url)
+    scanner = _BusyPartitionScanner(kafka_bootstrap)
+    reconciler = Reconciler(
+        store, scanner, "test", absence_grace=0, fencer=KafkaFencer(kafka_bootstrap)
+    )
+    try:
+        passes = 0
+        while passes < 20 and (report := reconciler.run_once()).decided == 0:
+            passes += 1
+    finally:
+        scanner.close()
+        store.close()
+
+    assert passes < 6
+    assert (report.delivered, report.pending) == (
+        ([message_id], []) if present else ([], [message_id])
+    )
+    state, _, kafka_offset, _, _ = _message(database_url, message_id)
+    assert (state, kafka_offset) == (("delivered", at) if present else ("pending", None))
+    [(_, _, _, _, _, evidence)] = _decisions(database_url)
+    assert evidence["passes"] == passes + 1 > 1

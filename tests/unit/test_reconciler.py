@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 from kafka import errors as kafka_errors
 
+from outbox.states import State
 from publisher.reconciler import Reconciler
-from publisher.scanner import EvidenceLost, Scan
+from publisher.scanner import EvidenceLost, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
 TOPIC = "orders"
@@ -29,6 +30,8 @@ class FakeStore(PublisherStore):
         super().__init__("postgresql://unused", uuid.uuid4())
         self.due = due
         self.later: set[uuid.UUID] = set()
+        #: Every decision applied, in order.
+        self.decisions: list[Decision] = []
 
     def uncertain_due(self, limit: int = 1000, grace: float = 0.0) -> list[UncertainMessage]:
         """The prepared messages."""
@@ -40,6 +43,7 @@ class FakeStore(PublisherStore):
 
     def decide(self, decisions: Sequence[Decision], decided_by: str) -> set[uuid.UUID]:
         """Every decision applies."""
+        self.decisions.extend(decisions)
         return {d.message_id for d in decisions}
 
 
@@ -373,3 +377,163 @@ def test_a_session_is_fenced_once() -> None:
     reconciler.run_once()
     reconciler.run_once()
     assert fencer.fenced == ["outbox-p-1"]
+
+
+# --- a busy partition: the end moves on while the range is read ----------------
+
+
+class BusyPartition:
+    """A one-partition log another producer appends to at every look at its end, read
+    at most ``per_pass`` offsets per scan, as a scan that runs out of time reads.
+
+    The other producer's records have the key ``b"other"``, except those at
+    ``keyed_at``, which have the message's key ``b"k"``.
+    """
+
+    def __init__(
+        self,
+        records: dict[int, Record],
+        *,
+        end: int,
+        growth: int,
+        per_pass: int,
+        policy: set[str] | None = None,
+        keyed_at: Collection[int] = (),
+    ) -> None:
+        self.records = {offset: (key, headers) for offset, key, headers in records.values()}
+        self.end = end
+        self.growth = growth
+        self.per_pass = per_pass
+        self.policy = policy if policy is not None else {"delete"}
+        self.keyed_at = set(keyed_at)
+        #: Each scan's range as asked: (start, end).
+        self.scans: list[tuple[int, int]] = []
+
+    def partition_count(self, topic: str) -> int | None:
+        """One partition."""
+        return 1
+
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        """The log end, after the other producer appended ``growth`` more records."""
+        for offset in range(self.end, self.end + self.growth):
+            self.records[offset] = (b"k" if offset in self.keyed_at else b"other", [])
+        self.end += self.growth
+        return 0, self.end
+
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+        committed: bool = False,
+    ) -> Scan:
+        """Read ``[start, end)``, or its first ``per_pass`` offsets and stop there."""
+        self.scans.append((start, end))
+        stop = min(end, start + self.per_pass)
+        scan = Scan()
+        wanted = {i.encode() for i in ids}
+        for offset in range(start, stop):
+            if offset in self.records:
+                key, headers = self.records[offset]
+                scan.add(offset, key, headers, wanted, set(keys))
+        if stop < end:
+            raise ScanIncomplete(f"read up to {stop} of [{start}, {end})", scan, stop)
+        return scan
+
+    def cleanup_policy(self, topic: str) -> set[str] | None:
+        """The scripted policy."""
+        return self.policy
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def _passes_until_decided(
+    reconciler: Reconciler, store: FakeStore, *, most: int = 20
+) -> tuple[int, Decision]:
+    """Run passes until one decides the store's one message; how many it took, and what."""
+    for turn in range(1, most + 1):
+        if reconciler.run_once().decided:
+            [decision] = store.decisions
+            return turn, decision
+    pytest.fail(f"still undecided after {most} passes")
+
+
+@pytest.mark.parametrize("transactional", [False, True], ids=["idempotent", "transactional"])
+@pytest.mark.parametrize("present", [True, False], ids=["found", "proven-absent"])
+def test_a_range_longer_than_a_pass_on_a_busy_partition_is_decided_in_bounded_passes(
+    *, present: bool, transactional: bool
+) -> None:
+    """The end grows by 25 at every look and a pass reads 30 offsets: the range stops at
+    the end first seen once its producer could write nothing more (100), and each pass
+    goes on where the last stopped, so the message is decided within four passes (its
+    record at 70 is found in the third)."""
+    message = _uncertain(confirmed=0)  # its range starts at 1
+    if transactional:
+        message = replace(message, transactional_id="outbox-p-1")
+    own: dict[int, Record] = {}
+    if present:
+        own[70] = (70, b"k", [("outbox-id", str(message.id).encode())])
+    log = BusyPartition(own, end=75, growth=25, per_pass=30)
+    store = FakeStore([message])
+    fencer = FakeFencer() if transactional else None
+
+    passes, decision = _passes_until_decided(Reconciler(store, log, "test", fencer=fencer), store)
+
+    assert passes == (3 if present else 4)
+    assert log.scans == [(1, 100), (31, 100), (61, 100), (91, 100)][:passes]
+    if present:
+        assert (decision.to_state, decision.offset) == (State.DELIVERED, 70)
+    else:
+        assert decision.to_state is State.PENDING
+        assert "offsets [1, 100)" in decision.reason
+    assert (decision.evidence["scan_to"], decision.evidence["passes"]) == (100, passes)
+
+
+def test_within_the_grace_the_range_follows_the_end_and_is_bounded_once_due() -> None:
+    """Before the grace has passed the end of the moment is read (a record found counts),
+    and what was read is not read again once the range gets its bound."""
+    early = _uncertain(confirmed=0, absence_due=False)
+    log = BusyPartition({}, end=0, growth=10, per_pass=1000)
+    store = FakeStore([early])
+    reconciler = Reconciler(store, log, "test")
+
+    assert reconciler.run_once().deferred == [early.id]
+    store.due = [replace(early, absence_due=True)]
+    passes, decision = _passes_until_decided(reconciler, store)
+
+    assert passes == 1
+    assert log.scans == [(1, 10), (10, 20)]
+    assert decision.to_state is State.PENDING
+    assert decision.evidence["scan_to"] == 20
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["key-written-past-bound", "quiet-key"])
+def test_on_a_busy_compacted_topic_records_of_its_key_past_the_bound_are_looked_for(
+    *, keyed: bool
+) -> None:
+    """A record of its key written after the bound could have compacted its record away
+    before the scan read it: its key is looked for up to the end seen after that read
+    (a fixed offset too), and found there it escalates; not found, absence is proof."""
+    message = _uncertain(confirmed=0)
+    # The other producer writes the message's key at offset 110, past the bound (100).
+    log = BusyPartition(
+        {}, end=75, growth=25, per_pass=30, policy={"compact"}, keyed_at={110} if keyed else ()
+    )
+    store = FakeStore([message])
+
+    passes, decision = _passes_until_decided(Reconciler(store, log, "test"), store)
+
+    assert passes <= 8
+    if keyed:
+        assert decision.to_state is State.UNCERTAIN
+        assert "the topic is compacted" in decision.reason
+    else:
+        assert decision.to_state is State.PENDING
+    assert max(end for _, end in log.scans) < log.end  # never chasing the moving end
