@@ -110,7 +110,7 @@ def test_a_message_that_kills_every_publisher_is_quarantined_and_its_neighbours_
             f"the poison is still {_row(database_url, poison)[:3]} after {deaths} deaths"
         )
         publisher = build_publisher(config)
-        publisher.sink = PoisonedSink(publisher.sink, poison, poison_topic, at)  # type: ignore[assignment]
+        publisher.sink = PoisonedSink(publisher.sink, poison, poison_topic, at)
         try:
             publisher.run()
         except PublisherKilled:
@@ -169,8 +169,10 @@ def test_publishers_killed_with_healthy_messages_quarantine_none(
         # First death: a batch of three and, claimed next, a batch of one.
         first = store.claim(3, lease_seconds=0.3)
         second = store.claim(10, lease_seconds=0.3)
-        assert first is not None and [m.id for m in first.messages] == company
-        assert second is not None and [m.id for m in second.messages] == [lone]
+        assert first is not None
+        assert [m.id for m in first.messages] == company
+        assert second is not None
+        assert [m.id for m in second.messages] == [lone]
         _expire_and_recover(database_url, store, 4)
         rows = fetch_rows(
             database_url,
@@ -191,14 +193,18 @@ def test_publishers_killed_with_healthy_messages_quarantine_none(
         _expire_and_recover(database_url, store, 3)
     finally:
         store.close()
-    assert fetch_rows(
-        database_url, "SELECT id, failures FROM outbox.messages ORDER BY seq"
-    ) == [(company[0], 1), (company[1], 1), (company[2], 0), (lone, 1)]
+    assert fetch_rows(database_url, "SELECT id, failures FROM outbox.messages ORDER BY seq") == [
+        (company[0], 1),
+        (company[1], 1),
+        (company[2], 0),
+        (lone, 1),
+    ]
 
     totals = build_publisher(_config(database_url, kafka_bootstrap, max_attempts=2)).run()
     assert (totals.delivered, totals.quarantined) == (4, 0)
-    assert fetch_rows(
-        database_url, "SELECT state, send_alone FROM outbox.messages ORDER BY seq"
-    ) == [("delivered", False)] * 4
+    assert (
+        fetch_rows(database_url, "SELECT state, send_alone FROM outbox.messages ORDER BY seq")
+        == [("delivered", False)] * 4
+    )
     keyed = [r.outbox_id for r in read_topic(kafka_bootstrap, topic) if r.key == b"k"]
     assert keyed == [company[0], company[2]]

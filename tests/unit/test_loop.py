@@ -649,7 +649,8 @@ def test_a_suspect_message_whose_failures_reached_max_attempts_is_quarantined_un
     if state is State.QUARANTINED:
         assert "send" not in events
         assert (settlement.attempt_outcome, settlement.send_began) == ("failed", False)
-        assert settlement.send_alone and not settlement.counts_as_failure
+        assert settlement.send_alone
+        assert not settlement.counts_as_failure
         assert settlement.error is not None
         assert "ended its publisher's claims: 5 failures (--max-attempts 5)" in settlement.error
         assert publisher.totals.quarantined == 1
