@@ -51,6 +51,12 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- at, so a claim-ahead whose keys are all in flight gives up after a few
 -- index probes instead of reading the whole backlog. An ordinary claim has
 -- no bound, so a long queue behind one held key never hides other keys.
+-- A suspect message (send_alone: its last batch was recovered, or refused
+-- together with other records) is claimed only alone: when it is the oldest
+-- candidate the batch is just it; otherwise the batch ends before it. So a
+-- message that kills its publisher takes no neighbours with it once
+-- suspected, its recovery is its own (recover_expired_leases counts it), and
+-- nothing later, of its key or not, is claimed past it: its key stays in order.
 WITH mine AS (
     SELECT lane
     FROM outbox.lanes
@@ -58,7 +64,7 @@ WITH mine AS (
     FOR SHARE
 ), open AS MATERIALIZED (
     SELECT message_ids, key_hashes FROM outbox.batches WHERE settled_at IS NULL
-), next AS (
+), candidates AS (
     SELECT m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values, m.fence,
            m.attempts, m.failures, m.send_alone, m.created_at, m.key_hash
     FROM outbox.messages AS m
@@ -79,6 +85,14 @@ WITH mine AS (
                 AND NOT (e.state = 'pending' AND e.available_at <= now()))))
     ORDER BY m.seq
     LIMIT %(limit)s
+), cut AS (
+    SELECT min(seq) AS first_seq, min(seq) FILTER (WHERE send_alone) AS suspect_seq
+    FROM candidates
+), next AS (
+    SELECT c.*
+    FROM candidates AS c, cut
+    WHERE cut.suspect_seq IS NULL OR c.seq < cut.suspect_seq
+       OR (c.seq = cut.suspect_seq AND cut.suspect_seq = cut.first_seq)
 ), batch AS (
     INSERT INTO outbox.batches (publisher_id, lease_expires_at, message_ids, key_hashes)
     SELECT %(owner)s,
@@ -254,6 +268,14 @@ SELECT id FROM settled
 -- saying why. The batch rows are locked (see mark_sending); locked ones are
 -- left for the next pass. The partition an earlier attempt stored is
 -- cleared: the reconciler derives this attempt's from the batch's evidence.
+-- A lease that expires may be a publisher killed by one of its messages (one
+-- that crashes or hangs the producer every time), so every message moved is
+-- marked suspect (send_alone): the claim takes it alone from then on, and
+-- no failure is counted, since the batch says nothing of which message it
+-- was. A batch that named only a suspect message is its own evidence: it
+-- counts a failure (the loop quarantines such a message at its next claim
+-- once its failures reach --max-attempts). A healthy message thus needs
+-- --max-attempts recoveries in a row while alone to be quarantined.
 WITH expired AS (
     SELECT b.id, b.publisher_id, b.lease_expires_at, b.claimed_at, b.send_began_at,
            b.message_ids,
@@ -270,6 +292,7 @@ WITH expired AS (
 ), decided AS (
     SELECT e.*,
            CASE WHEN e.send_began_at IS NULL THEN 'pending' ELSE 'uncertain' END AS next_state,
+           cardinality(e.message_ids) = 1 AS alone,
            format('lease of publisher %%s expired at %%s (last heartbeat %%s); %%s',
                   e.publisher_id, e.lease_expires_at, coalesce(p.heartbeat_at::text, 'never'),
                   CASE WHEN e.send_began_at IS NULL
@@ -278,6 +301,12 @@ WITH expired AS (
                                    e.send_began_at) END) AS reason
     FROM expired AS e
     LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
+), judged AS (
+    -- The message rows as the claim left them (it writes none): send_alone
+    -- says whether the message was claimed as a suspect.
+    SELECT m.id, d.id AS batch_id, m.send_alone AND d.alone AS charged
+    FROM decided AS d
+    JOIN outbox.messages AS m ON m.id = ANY(d.message_ids) AND m.state = 'pending'
 ), moved AS (
     UPDATE outbox.messages AS m
     SET state = d.next_state,
@@ -288,12 +317,18 @@ WITH expired AS (
         kafka_offset = NULL,
         available_at = CASE WHEN d.next_state = 'pending' THEN now()
                             ELSE greatest(now(), d.write_deadline) END,
-        last_error = d.reason,
+        failures = m.failures + j.charged::integer,
+        send_alone = true,
+        last_error = d.reason || CASE
+            WHEN j.charged
+            THEN format('; it was claimed alone, suspected of ending its publisher''s claims, '
+                        'so this counts as failure %%s', m.failures + 1)
+            ELSE '; no failure is counted, but it is suspect: claimed alone until settled' END,
         updated_at = now()
-    FROM decided AS d
-    WHERE m.id = ANY(d.message_ids) AND m.state = 'pending'
+    FROM decided AS d, judged AS j
+    WHERE m.id = j.id AND d.id = j.batch_id AND m.state = 'pending'
     RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
-              d.publisher_id, d.claimed_at, d.send_began_at, d.reason
+              d.publisher_id, d.claimed_at, d.send_began_at, m.last_error AS reason
 ), recorded AS (
     INSERT INTO outbox.attempts
         (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,

@@ -307,6 +307,9 @@ class Publisher:
             if self._stopping.is_set():
                 self._settle(batch, [self._release(m) for m in batch.messages])
                 return len(batch.messages)
+            if any(self._ends_claims(m) for m in batch.messages):
+                self._settle(batch, [self._give_up_unsent(m) for m in batch.messages])
+                return len(batch.messages)
             for sent, settlements in self._send(batch, in_hand):
                 self._settle(sent, settlements)
                 self.spans.settled(sent, settlements)
@@ -821,6 +824,39 @@ class Publisher:
     @staticmethod
     def _release(m: ClaimedMessage) -> Settlement:
         return _unsent(m, "released unsent: publisher stopping")
+
+    def _ends_claims(self, m: ClaimedMessage) -> bool:
+        """A suspect message whose failures reached ``--max-attempts``: it is not sent again.
+
+        A send settles a message at its limit itself; a suspect one reaches
+        it without a settle, when a batch that named it alone was recovered
+        (``recover_expired_leases``): its publisher died or hung with it in
+        hand, attempt after attempt, whether before sending (recovered to
+        pending) or after (uncertain, then proven absent).
+        """
+        return m.send_alone and m.failures >= self.config.max_attempts
+
+    def _give_up_unsent(self, m: ClaimedMessage) -> Settlement:
+        """Quarantine a message that ends its publisher's claims; release any other unsent."""
+        if not self._ends_claims(m):
+            return _unsent(m, "released unsent: claimed with a message quarantined at its claim")
+        self._failure_class[m.id] = "attempts_exhausted"
+        return Settlement(
+            message_id=m.id,
+            fence=m.fence,
+            state=State.QUARANTINED,
+            attempt_outcome=AttemptOutcome.FAILED,
+            error=(
+                f"quarantined unsent at its claim: it ended its publisher's claims: "
+                f"{m.failures} failures (--max-attempts {self.config.max_attempts}) "
+                "counted while it was suspect, each claim of it alone ending with its "
+                "publisher's lease expiring with it in hand (the publisher died or hung on "
+                "it), before or after sending began; its attempts (outbox inspect) say how "
+                "each ended. outbox retry sends it again, alone"
+            ),
+            send_began=False,
+            send_alone=True,
+        )
 
     def _settle(self, batch: Batch, settlements: list[Settlement]) -> None:
         """Record the outcomes, retrying through database outages while the lease lasts."""

@@ -627,6 +627,38 @@ def test_a_message_not_written_at_max_attempts_is_quarantined(attempt: int, stat
         assert settlement.retry_after == 0
 
 
+@pytest.mark.parametrize(
+    ("failures", "send_alone", "state"),
+    [(4, True, State.DELIVERED), (5, True, State.QUARANTINED), (5, False, State.DELIVERED)],
+)
+def test_a_suspect_message_whose_failures_reached_max_attempts_is_quarantined_unsent(
+    failures: int, send_alone: bool, state: State
+) -> None:
+    """A suspect message claimed at --max-attempts failures (its claims alone ended in
+    recovery) is quarantined without being sent; below the limit, or not suspect, it is sent."""
+    message = replace(_message(), failures=failures, send_alone=send_alone)
+    events: list[str] = []
+    store = FakeStore(events, [_batch(message)])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, replace(CONFIG, max_attempts=5))
+
+    assert publisher.run_once() == 1
+
+    (settlement,) = store.settled[0]
+    assert settlement.state is state
+    if state is State.QUARANTINED:
+        assert "send" not in events
+        assert (settlement.attempt_outcome, settlement.send_began) == ("failed", False)
+        assert settlement.send_alone
+        assert not settlement.counts_as_failure
+        assert settlement.error is not None
+        assert "ended its publisher's claims: 5 failures (--max-attempts 5)" in settlement.error
+        assert publisher.totals.quarantined == 1
+    else:
+        assert [r.message_id for r in sink.sent] == [message.id]
+        assert not settlement.send_alone  # settled normally: no longer suspect
+
+
 def test_an_uncertain_outcome_in_a_lone_send_discards_the_producer_before_the_next_send() -> None:
     """A record sent alone that ends uncertain: its producer is dropped before the rest is sent."""
     lone = replace(_message(key=b"a"), send_alone=True)
