@@ -62,34 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for s in SETTINGS:
-        group = groups[s.group]
-        if not s.has_flag:
-            continue  # a secret: environment, config file, or its own file setting
-        if s.flag_sets is not None:
-            group.add_argument(
-                s.flag,
-                dest=s.name,
-                action="store_const",
-                const=s.flag_sets,
-                default=argparse.SUPPRESS,
-                help=f"{s.help} [{s.env}={str(s.flag_sets).lower()}]",
-            )
-            continue
-        default = s.default
-        shown = (
-            s.unset
-            if default in (None, "")
-            else f"{default:g}"
-            if isinstance(default, float)
-            else default
-        )
-        group.add_argument(
-            s.flag,
-            dest=s.name,
-            metavar=s.metavar,
-            default=argparse.SUPPRESS,
-            help=f"{s.help} (default {shown}) [{s.env}]",
-        )
+        s.add_flag(groups[s.group])
     return p
 
 

@@ -11,6 +11,7 @@ everything in one round instead of one error per start.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib.util
 import json
@@ -559,6 +560,37 @@ class Setting:
     def default(self) -> object:
         """The default value, from ``PublisherConfig``."""
         return _DEFAULTS[self.name]
+
+    def add_flag(self, group: argparse._ArgumentGroup, *, show_default: bool = True) -> None:
+        """Add this setting's flag to ``group`` (none for a secret). A flag not given
+        leaves the setting to the environment, the config file and the default."""
+        if not self.has_flag:
+            return
+        if self.flag_sets is not None:
+            group.add_argument(
+                self.flag,
+                dest=self.name,
+                action="store_const",
+                const=self.flag_sets,
+                default=argparse.SUPPRESS,
+                help=f"{self.help} [{self.env}={str(self.flag_sets).lower()}]",
+            )
+            return
+        default = self.default
+        shown = (
+            self.unset
+            if default in (None, "")
+            else f"{default:g}"
+            if isinstance(default, float)
+            else default
+        )
+        group.add_argument(
+            self.flag,
+            dest=self.name,
+            metavar=self.metavar,
+            default=argparse.SUPPRESS,
+            help=f"{self.help}{f' (default {shown})' if show_default else ''} [{self.env}]",
+        )
 
 
 _DEFAULTS: dict[str, object] = {

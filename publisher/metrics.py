@@ -40,7 +40,13 @@ from publisher.health import Health
 log = logging.getLogger(__name__)
 
 #: Failure classes of ``outbox_failures_total``: the send outcome of a message not delivered.
-FAILURE_CLASSES = ("not_written", "uncertain", "non_retriable", "attempts_exhausted")
+FAILURE_CLASSES = (
+    "not_written",
+    "broker_unavailable",
+    "uncertain",
+    "non_retriable",
+    "attempts_exhausted",
+)
 
 #: Seconds; from a fast local batch to a broker that took its whole delivery timeout.
 BATCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -104,9 +110,11 @@ class PublisherMetrics:
         self.failures = Counter(
             "outbox_failures",
             "Messages this publisher sent without a recorded delivery, by outcome class: "
-            "not_written (pending again, retried after a backoff), uncertain (reconciled "
-            "later), non_retriable (refused by the broker for its content: quarantined), "
-            "attempts_exhausted (not written --max-attempts times: quarantined).",
+            "not_written (pending again, retried after a backoff), broker_unavailable (not "
+            "written because the broker was unavailable: pending again, not counted toward "
+            "--max-attempts), uncertain (reconciled later), non_retriable (refused by the "
+            "broker for its content: quarantined), attempts_exhausted (not written, or its "
+            "claims ended its publisher, --max-attempts times: quarantined).",
             ["topic", "class"],
             registry=r,
         )

@@ -88,25 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         "OUTBOX_KAFKA_SASL_PASSWORD / OUTBOX_KAFKA_SSL_KEY_PASSWORD or their -file flags",
     )
     for s in _SECURITY_SETTINGS:
-        if not s.has_flag:
-            continue
-        if s.flag_sets is not None:
-            security.add_argument(
-                s.flag,
-                dest=s.name,
-                action="store_const",
-                const=s.flag_sets,
-                default=argparse.SUPPRESS,
-                help=f"{s.help} [{s.env}={str(s.flag_sets).lower()}]",
-            )
-        else:
-            security.add_argument(
-                s.flag,
-                dest=s.name,
-                metavar=s.metavar,
-                default=argparse.SUPPRESS,
-                help=f"{s.help} [{s.env}]",
-            )
+        s.add_flag(security, show_default=False)
     return parser
 
 
