@@ -39,15 +39,6 @@ from publisher.health import Health
 
 log = logging.getLogger(__name__)
 
-#: Failure classes of ``outbox_failures_total``: the send outcome of a message not delivered.
-FAILURE_CLASSES = (
-    "not_written",
-    "broker_unavailable",
-    "uncertain",
-    "non_retriable",
-    "attempts_exhausted",
-)
-
 #: Seconds; from a fast local batch to a broker that took its whole delivery timeout.
 BATCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 #: Seconds; a healthy outbox acknowledges within a second, a backlog or an outage takes longer.
