@@ -119,6 +119,64 @@ broker_count() {
     printf '%d\n' "$((16#${13}${14}${15}${16}))"
 }
 
+# Ports from 32768 up (Linux's usual ip_local_port_range) are also handed
+# out as the local ports of outgoing connections. While a node is down, any
+# client on the machine may get one of its ports that way; the node cannot
+# listen there again until that connection is closed and (if the client
+# closed it first) out of TIME-WAIT, up to a minute later.
+
+# port_bindable PORT: whether a listener could bind 127.0.0.1:PORT now, as
+# Kafka does (with SO_REUSEADDR, so what a stopped node left behind does not
+# count). Checked with python3; without it, assumed so.
+port_bindable() {
+    command -v python3 >/dev/null 2>&1 || return 0
+    python3 -c '
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+' "$1" 2>/dev/null
+}
+
+# wait_ports_free DEADLINE PORT...: wait (until SECONDS reaches DEADLINE)
+# while another socket keeps a listener from binding one of the ports (0s are
+# skipped); fails if one is still taken then.
+wait_ports_free() {
+    local deadline=$1 p held said=0
+    shift
+    while :; do
+        held=''
+        for p; do
+            ((p == 0)) || port_bindable "$p" || { held=$p; break; }
+        done
+        [[ -z $held ]] && return 0
+        if ((!said)); then
+            warn "port $held is taken by another socket (a connection that got it as its local port?); waiting for it to be free: $(ss -Htan "( sport = :$held )" 2>/dev/null | head -n 3 | tr -s ' \n' ' ')"
+            said=1
+        fi
+        ((SECONDS < deadline)) || return 1
+        sleep 0.5
+    done
+}
+
+# bind_conflict LOG: the port a node that exited could not listen on, if
+# that is why it exited.
+bind_conflict() {
+    local m
+    m=$(grep -m 1 -o 'failed to bind to 127\.0\.0\.1:[0-9]*: Address already in use' -- "$1" 2>/dev/null) || return 1
+    m=${m#*127.0.0.1:}
+    printf '%s\n' "${m%%:*}"
+}
+
+# node_listen_ports PROPS: the ports of the node's listeners.
+node_listen_ports() {
+    local listener
+    for listener in PLAINTEXT CONTROLLER SASL_SSL; do props_port "$1" "$listener" || true; done
+}
+
 find_java() {
     if [[ -n ${JAVA_HOME:-} && -x $JAVA_HOME/bin/java ]]; then
         JAVA=$JAVA_HOME/bin/java

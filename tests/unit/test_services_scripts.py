@@ -4,7 +4,8 @@ Each test runs the scripts from a copy of ``services/`` in a temporary
 directory, so their ``.services/`` is a fresh one and nothing of this
 checkout's services is touched; none of them starts PostgreSQL or Kafka. The
 metadata probe that ``services/up`` waits with is run against a small TCP
-server answering as a broker would.
+server answering as a broker would, the check for a port a client took
+against sockets of the test itself.
 """
 
 from __future__ import annotations
@@ -182,6 +183,24 @@ def test_kafka_node_reports_nodes_that_do_not_run(repo: Path) -> None:
     assert "node 2 has no formatted storage" in start.stderr
 
 
+def _nodes_bash(repo: Path, call: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """One function of services/kafka/nodes.bash, sourced as the scripts do."""
+    script = f'. services/kafka/nodes.bash && {call} "$@"'
+    return subprocess.run(
+        ["bash", "-c", script, "nodes", *args],
+        cwd=repo,
+        env={
+            **os.environ,
+            "STATE": str(repo / ".services"),
+            "SERVICES_SRC": str(repo / "services"),
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+
+
 class _FakeBroker:
     """Answers one Metadata request on a local port as a broker listing ``brokers`` would,
     and keeps the request it got."""
@@ -208,23 +227,6 @@ class _FakeBroker:
             conn.sendall(struct.pack(">i", len(reply)) + reply)
 
 
-def _broker_count(repo: Path, port: int) -> subprocess.CompletedProcess[str]:
-    script = '. services/kafka/nodes.bash && broker_count "$1"'
-    return subprocess.run(
-        ["bash", "-c", script, "probe", str(port)],
-        cwd=repo,
-        env={
-            **os.environ,
-            "STATE": str(repo / ".services"),
-            "SERVICES_SRC": str(repo / "services"),
-        },
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-
-
 @pytest.fixture
 def fake_broker() -> Iterator[_FakeBroker]:
     broker = _FakeBroker(3)
@@ -237,7 +239,7 @@ def test_the_metadata_probe_reads_how_many_brokers_the_cluster_has(
 ) -> None:
     """broker_count sends a Metadata v4 request for no topics and prints the number of
     brokers in the reply."""
-    result = _broker_count(repo, fake_broker.port)
+    result = _nodes_bash(repo, "broker_count", str(fake_broker.port))
     assert (result.returncode, result.stdout) == (0, "3\n"), result.stderr
     fake_broker.thread.join(timeout=10)
     api_key, version = struct.unpack(">hh", fake_broker.request[:4])
@@ -249,7 +251,7 @@ def test_the_metadata_probe_fails_where_nothing_listens(repo: Path) -> None:
     """broker_count fails (and prints nothing) when no broker answers."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-    result = _broker_count(repo, port)
+    result = _nodes_bash(repo, "broker_count", str(port))
     assert result.returncode != 0
     assert result.stdout == ""
 
@@ -274,3 +276,40 @@ def test_make_services_passes_the_broker_count_through() -> None:
 
     assert recipe("KAFKA_BROKERS=3") == "OUTBOX_KAFKA_BROKERS=3 services/up"
     assert recipe() == "services/up"
+
+
+def test_a_port_a_client_connection_holds_is_not_free_for_a_node(repo: Path) -> None:
+    """port_bindable fails for a port a listener or an outgoing connection holds (as when a
+    client gets a stopped node's port as its ephemeral port), and passes once it is closed."""
+    if shutil.which("python3") is None:
+        pytest.skip("port_bindable assumes a free port without python3")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        listening = server.getsockname()[1]
+        assert _nodes_bash(repo, "port_bindable", str(listening)).returncode == 1
+        client = socket.socket()
+        client.bind(("127.0.0.1", 0))
+        held = client.getsockname()[1]
+        client.connect(("127.0.0.1", listening))
+        accepted, _ = server.accept()
+        with client, accepted:
+            assert _nodes_bash(repo, "port_bindable", str(held)).returncode == 1
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        closed = server.getsockname()[1]
+    assert _nodes_bash(repo, "port_bindable", str(closed)).returncode == 0
+
+
+def test_a_start_that_failed_to_bind_is_told_from_other_failures(
+    repo: Path, tmp_path: Path
+) -> None:
+    """bind_conflict prints the port Kafka could not listen on, and fails for a log
+    without that error."""
+    log = tmp_path / "broker.log"
+    log.write_text(
+        "[2026-12-01 16:55:51,128] ERROR Unable to start acceptor for PLAINTEXT\n"
+        "org.apache.kafka.common.KafkaException: Socket server failed to bind to "
+        "127.0.0.1:39492: Address already in use.\n"
+    )
+    found = _nodes_bash(repo, "bind_conflict", str(log))
+    assert (found.returncode, found.stdout) == (0, "39492\n")
+    log.write_text("[2026-12-01 16:55:51,128] ERROR Exiting Kafka due to fatal exception\n")
+    assert _nodes_bash(repo, "bind_conflict", str(log)).returncode == 1
