@@ -99,7 +99,12 @@ WHERE position = 1
 -- function, so that it is planned only when it runs: written into the view,
 -- its read of every row would weigh in the view's estimated cost even when
 -- it never runs, and PostgreSQL compiles (JIT) a plan that costly at every
--- read, for hundreds of milliseconds.
+-- read, for hundreds of milliseconds. It runs with the reader's privileges,
+-- not the view owner's: SECURITY DEFINER would let any role with USAGE on the
+-- schema (the writer's too) read topics and counts it may not. So reading
+-- outbox.status needs SELECT on outbox.messages as well as on the view, as
+-- the operator and publisher roles have; so do the per-topic estimates,
+-- from pg_stats, which shows a column's statistics only to its readers.
 CREATE FUNCTION outbox.closed_counts()
 RETURNS TABLE (topic text, state text, all_topics boolean, messages bigint,
                oldest_created_at timestamptz, attempts bigint)
