@@ -1,15 +1,16 @@
 -- 0009: outbox.status answers in milliseconds however many delivered
 -- messages retention keeps.
 --
--- Until now the view counted every row of outbox.messages: 0.75 s at a
--- million rows, and growing with them. Operators start from that one query,
--- so it must stay quick at tens of millions. From here on:
+-- Until now the view counted every row of outbox.messages: seconds at a
+-- million rows, 40 s at ten million (benchmarks/status_scale.py). Operators
+-- start from that one query, so it must stay quick at tens of millions. From
+-- here on:
 --
 -- * The open states (pending, in_flight, uncertain, quarantined) are counted
 --   exactly, each read through its own partial index (messages_claimable,
 --   messages_uncertain, messages_quarantined; in flight from the open
 --   batches, batches_open): their cost follows the open messages, not the
---   delivered ones. So are everything derived from them: ages, retries,
+--   delivered ones. So is everything derived from them: ages, retries,
 --   leases, escalated and overdue, held keys, health and the next action.
 -- * Discarded messages are counted exactly too, through the decisions that
 --   discarded them (decisions_discarded, below): every discard is an
@@ -40,7 +41,9 @@
 --
 -- Both views keep their columns (status gains one at the end), so CREATE OR
 -- REPLACE keeps their grants. Nothing is written to outbox.messages and no
--- lock is taken on it beyond those of reading its definition.
+-- lock is taken on it that holds a write back. Replacing a view waits for
+-- the reads of it in progress (on a large table, a read of the old status
+-- takes seconds); outbox migrate waits at most --lock-timeout for them.
 
 -- Discarded messages are found from their decisions. outbox.decisions holds
 -- only the reconciler's and operators' decisions and is purged with the
