@@ -39,6 +39,7 @@ from outbox.operator import (
     retry,
     retry_quarantined,
 )
+from outbox.queries import query
 from outbox.redaction import (
     SecretSafeArgumentParser,
     check_conninfo,
@@ -354,6 +355,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     with _connect(args.database_url) as conn:
+        conn.execute(query("jit_off"))
         lines = read_status(conn)
         held = read_held_keys(conn)
     show = render.status_json if args.json else render.status_text

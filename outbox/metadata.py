@@ -240,6 +240,10 @@ decisions = sa.Table(
     sa.Column("evidence", pg.JSONB, nullable=False, server_default=sa.text("'{}'")),
     sa.PrimaryKeyConstraint("id", name="decisions_pkey"),
     sa.Index("decisions_message", "message_id"),
+    # outbox.status counts discarded messages through their decisions (0009).
+    sa.Index(
+        "decisions_discarded", "message_id", postgresql_where=sa.text("to_state = 'discarded'")
+    ),
 )
 
 #: The 32 lanes publishers own under leases (seeded by 0004).

@@ -673,16 +673,24 @@ RETURNING lane
 UPDATE outbox.publishers SET stopped_at = now(), heartbeat_at = now() WHERE id = %(id)s
 
 -- name: status
+-- exact is false on a line whose count is an estimate (delivered messages on
+-- a large table: see schema/0009_status_at_scale.sql).
 SELECT topic, state, messages, oldest_created_at, oldest_age_seconds, waiting_retry, retrying,
        attempts, max_failures, lease_owners, next_lease_expiry, leases_expired, escalated,
-       overdue, held_keys, live_publishers, healthy, next_action
+       overdue, held_keys, live_publishers, healthy, next_action, exact
 FROM outbox.status
+
+-- name: jit_off
+-- For a session that reads the status: its statements take milliseconds, and
+-- with many open messages their estimated cost passes jit_above_cost, where
+-- compiling them would take longer than running them.
+SET jit = off
 
 -- name: open_status
 -- The open states per topic, for the metrics at every scrape: each is read
 -- through its own partial index (in flight: from the open batches), so the
 -- cost follows the open messages, not the delivered ones kept for retention
--- (outbox.status counts those too).
+-- (outbox.status reads them the same way, and estimates the delivered ones).
 SELECT topic, 'pending' AS state, count(*),
        extract(epoch FROM now() - min(created_at))::float8
 FROM outbox.messages

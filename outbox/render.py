@@ -170,7 +170,7 @@ def _status_rows(lines: list[StatusLine], *, with_topic: bool) -> list[list[str]
     for line in lines:
         cells = [
             printable(line.state),
-            str(line.messages),
+            ("" if line.exact else "~") + str(line.messages),
             age(line.oldest_age_seconds),
             str(line.retrying),
             str(line.held_keys),
@@ -201,6 +201,12 @@ def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
             "",
             "BY TOPIC (states with messages)",
             table(_status_rows(per_topic, with_topic=True), right=frozenset({2, 4, 5})),
+        ]
+    if not all(line.exact for line in summary + per_topic):
+        out += [
+            "",
+            "~ estimated: on a large table delivered messages are not counted one by one "
+            "(see docs/operations.md); every other figure is exact",
         ]
     in_flight = next((x for x in summary if x.state == "in_flight" and x.messages), None)
     if in_flight is not None:

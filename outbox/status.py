@@ -1,4 +1,10 @@
-"""Reading the status view: per topic and overall, counts by state and the next safe action."""
+"""Reading the status view: per topic and overall, counts by state and the next safe action.
+
+``outbox.status`` reads the open messages through their partial indexes, so
+it answers in milliseconds however many delivered messages retention keeps;
+on a large table it estimates the delivered ones (``StatusLine.exact`` is
+false on that line). docs/operations.md says which figures are exact.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +32,8 @@ class StatusLine:
     waiting_retry: int
     #: Messages that failed at least once since the last operator decision.
     retrying: int
-    #: Attempts made on these messages, all told.
-    attempts: int
+    #: Attempts made on these messages, all told; ``None`` on an estimated line.
+    attempts: int | None
     max_failures: int
     #: Publishers holding the in-flight leases.
     lease_owners: list[uuid.UUID]
@@ -43,10 +49,16 @@ class StatusLine:
     #: False when an operator should act on this line.
     healthy: bool
     next_action: str
+    #: False when ``messages`` is an estimate: delivered messages on a large table.
+    exact: bool = True
 
 
 def read_status(conn: psycopg.Connection[Any]) -> list[StatusLine]:
-    """Every line of ``outbox.status``: first each state over all topics, then per topic."""
+    """Every line of ``outbox.status``: first each state over all topics, then per topic.
+
+    Its cost follows the open messages, not the delivered ones: on a large
+    table the delivered line is an estimate (``exact`` false).
+    """
     with conn.cursor() as cur:
         cur.execute(query("status"))
         return [StatusLine(*row) for row in cur.fetchall()]
@@ -66,7 +78,8 @@ def read_open_status(conn: psycopg.Connection[Any]) -> list[OpenCount]:
     """Counts of the open states per topic, read through their partial indexes.
 
     Cheap enough for every metrics scrape however many delivered messages
-    retention keeps; ``read_status`` counts every state and reads every row.
+    retention keeps; ``read_status`` reads the same, and more: every state,
+    held keys, health and the next action.
     """
     with conn.cursor() as cur:
         cur.execute(query("open_status"))
