@@ -8,7 +8,11 @@
 -- a role's statements write and nothing else: a role cannot rewrite a
 -- payload, a topic or a key it may not. Locking a row (SELECT ... FOR UPDATE
 -- or FOR SHARE) needs UPDATE on one of its columns. Views run with their
--- owner's privileges: a grant on a view is all a reader needs.
+-- owner's privileges: a grant on a view is all a reader needs, except for
+-- outbox.status, whose exact count of a small table's closed messages runs in
+-- a function with the reader's privileges (schema/0009_status_at_scale.sql):
+-- its readers need SELECT on outbox.messages too, as the publisher and
+-- operator roles have.
 
 -- name: revoke
 -- Start from nothing on every outbox object (a table's column grants go with
