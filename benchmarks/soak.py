@@ -57,6 +57,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -161,6 +162,33 @@ WHERE datname = current_database() AND state = 'active'
 ORDER BY query_start
 LIMIT 1
 """
+
+
+#: A publisher statement running this long is explained (see ``explain_named``).
+STUCK_SECONDS = 30.0
+
+
+def explain_named(conn: psycopg.Connection[Any], prefix: str) -> dict[str, Any]:
+    """``EXPLAIN`` of the named query (outbox/queries.sql) whose text begins as ``prefix``
+    (pg_stat_activity's text, whitespace folded), each parameter given 100."""
+    for name, text in queries_by_name().items():
+        folded = " ".join(re.sub(r"%\((\w+)\)s", "$", text).split())
+        if folded.startswith(" ".join(prefix.split())[:60].split("$")[0]):
+            params = dict.fromkeys(re.findall(r"%\((\w+)\)s", text), 100)
+            try:
+                with conn.transaction():
+                    plan = [r[0] for r in conn.execute("EXPLAIN " + text, params)]
+            except psycopg.Error as exc:
+                return {"query": name, "error": repr(exc)}
+            return {"query": name, "plan": plan}
+    return {"query": None}
+
+
+def queries_by_name() -> dict[str, str]:
+    """The named queries of outbox/queries.sql."""
+    from outbox.queries import parse_queries  # noqa: PLC0415 - only a stuck statement needs it
+
+    return parse_queries((ROOT / "outbox" / "queries.sql").read_text())
 
 
 def clock_since(began: float) -> float:
@@ -573,6 +601,10 @@ class Soak:
         #: Set when the delivery stalled at the end: what was stuck, and whether
         #: new publisher processes delivered it.
         self.stall: dict[str, Any] | None = None
+        #: The plan PostgreSQL would choose now for each publisher statement seen
+        #: running longer than STUCK_SECONDS (the statistics it was planned
+        #: with may change soon after; the running plan itself cannot be read).
+        self.stuck_plans: dict[str, dict[str, Any]] = {}
 
     def clock(self) -> float:
         """Seconds since the run began."""
@@ -858,6 +890,8 @@ class Soak:
                 "seconds": round(longest[0], 1),
                 "statement": longest[1],
             }
+            if longest[0] > STUCK_SECONDS and longest[1] not in self.stuck_plans:
+                self.stuck_plans[longest[1]] = {"t": sample["t"], **explain_named(conn, longest[1])}
         # The next sample reads from the oldest message open now (or enqueued
         # since): whatever it counts as delivered was one of those.
         oldest_open = now - timedelta(seconds=oldest)
@@ -1038,6 +1072,7 @@ class Soak:
             "seconds_writing": written_at,
             "seconds_draining": drained,
             "stalled": self.stall,
+            "stuck_statement_plans": self.stuck_plans,
             "left_open": left_open,
             "read_committed": committed,
             "read_uncommitted": uncommitted,
@@ -1421,6 +1456,11 @@ def failures(
         )
     if result["writer_errors"]:
         found.append(f"writers failed: {result['writer_errors']}")
+    if result["stuck_statement_plans"]:
+        found.append(
+            f"publisher statements ran over {STUCK_SECONDS:g} s: "
+            f"{sorted({p['query'] or '?' for p in result['stuck_statement_plans'].values()})}"
+        )
     if result["publishers_died"]:
         found.append(f"publishers exited by themselves: {result['publishers_died']}")
     return found + health_failures(result, faults, args)
