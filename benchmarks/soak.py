@@ -605,6 +605,8 @@ class Soak:
         #: running longer than STUCK_SECONDS (the statistics it was planned
         #: with may change soon after; the running plan itself cannot be read).
         self.stuck_plans: dict[str, dict[str, Any]] = {}
+        #: Publishers restarted because a statement of theirs ran too long.
+        self.interventions: list[dict[str, Any]] = []
 
     def clock(self) -> float:
         """Seconds since the run began."""
@@ -659,10 +661,55 @@ class Soak:
                 self.start_publisher(slot)
 
     def idle_until(self, at: float) -> None:
-        """Wait until ``at`` seconds into the run, replacing publishers that died."""
+        """Wait until ``at`` seconds into the run, replacing publishers that died and
+        restarting those stuck in a statement (``--rescue-after``)."""
         while self.clock() < at:
             self.replace_the_dead()
+            self.rescue_the_stuck()
             time.sleep(min(1.0, max(at - self.clock(), 0.0)))
+
+    def rescue_the_stuck(self) -> None:
+        """Do what an operator would for a publisher whose statement has run longer than
+        ``--rescue-after``: restart it and end the statement's backend. Noted (a person
+        was needed), so that one stuck statement does not stop the rest of the run."""
+        last = self.samples[-1] if self.samples else {}
+        longest = last.get("longest_publisher_statement") or {}
+        if not self.args.rescue_after or longest.get("seconds", 0) < self.args.rescue_after:
+            return
+
+        def stuck() -> list[tuple[int, int, float, str]]:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                return conn.execute(
+                    "SELECT p.pid, a.pid, extract(epoch FROM now() - a.query_start)::float8, "
+                    "left(regexp_replace(a.query, '\\s+', ' ', 'g'), 80) "
+                    "FROM pg_stat_activity AS a JOIN outbox.publishers AS p "
+                    "ON a.application_name = 'outbox-publisher ' || p.id "
+                    "WHERE a.datname = current_database() AND a.state = 'active' "
+                    "AND now() - a.query_start > make_interval(secs => %s)",
+                    (self.args.rescue_after,),
+                ).fetchall()
+
+        for pid, backend, seconds, statement in patiently(stuck):
+            for slot, (process, run) in enumerate(list(self.slots)):
+                if run.pid != pid or run.ended_by is not None:
+                    continue
+                self.say(
+                    f"publisher {run.number} stuck {seconds:.0f} s in: {statement}; "
+                    "restarting it and ending that statement"
+                )
+                run.exit_code = stop_and_wait(process, signal.SIGTERM, timeout=20)
+                self.end_run(run, process, "restarted: stuck in a statement")
+                with contextlib.suppress(psycopg.Error), psycopg.connect(self.url) as conn:
+                    conn.execute("SELECT pg_terminate_backend(%s)", (backend,))
+                self.interventions.append(
+                    {
+                        "at": self.clock(),
+                        "publisher": run.number,
+                        "stuck_seconds": round(seconds, 1),
+                        "statement": statement,
+                    }
+                )
+                self.start_publisher(slot)
 
     # --- faults ---
 
@@ -1013,6 +1060,7 @@ class Soak:
         last: dict[str, int] = {}
         while True:
             self.replace_the_dead()
+            self.rescue_the_stuck()
             counts = patiently(lambda: open_counts(self.url))
             now = time.monotonic()
             if not any(counts.values()):
@@ -1079,6 +1127,7 @@ class Soak:
             "faults": [asdict(f) for f in faults],
             "publisher_runs": [asdict(r) | {"rss": None} for r in self.runs],
             "publishers_died": self.deaths,
+            "interventions": self.interventions,
             "log_events": log_events(self.log_dir),
             "samples": len(self.samples),
             # Every delivery should be counted by exactly one sample's lag.
@@ -1461,6 +1510,11 @@ def failures(
             f"publisher statements ran over {STUCK_SECONDS:g} s: "
             f"{sorted({p['query'] or '?' for p in result['stuck_statement_plans'].values()})}"
         )
+    if result["interventions"]:
+        found.append(
+            f"{len(result['interventions'])} publishers were restarted by hand, stuck in a "
+            "statement (see interventions)"
+        )
     if result["publishers_died"]:
         found.append(f"publishers exited by themselves: {result['publishers_died']}")
     return found + health_failures(result, faults, args)
@@ -1765,6 +1819,13 @@ def parse_args() -> argparse.Namespace:
         help="seconds after a fault ended by which the lag must be back "
         "under the threshold (default: lease + write deadline + absence "
         "grace + 30 s, the longest a killed publisher's messages wait)",
+    )
+    parser.add_argument(
+        "--rescue-after",
+        type=float,
+        default=120.0,
+        help="restart a publisher whose statement has run this long, as an operator would "
+        "(noted, and the run fails); 0: never",
     )
     parser.add_argument("--size-ratio", type=float, default=1.3)
     parser.add_argument("--memory-ratio", type=float, default=1.2)
