@@ -832,9 +832,9 @@ class Soak:
         """Take a sample every ``--sample-interval`` seconds until told to stop, and a
         last one then (counting the deliveries up to that moment)."""
         conn: psycopg.Connection[Any] | None = None
-        after: datetime | None = None
-        low: datetime | None = None
-        previous_t = self.clock()
+        after: datetime | None = self.db_began
+        low: datetime | None = self.db_began
+        previous_t = 0.0
         last = False
         while not last:
             last = self.sampling.wait(self.args.sample_interval)
@@ -963,6 +963,11 @@ class Soak:
         )
         for f in faults:
             print(f"  planned: {f.kind} at {f.planned_at:.0f} s", flush=True)
+        with psycopg.connect(self.url) as conn:
+            row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        #: The first sample counts the deliveries since here.
+        self.db_began: datetime = row[0]
         self.began = time.monotonic()
         for slot in range(args.publishers):
             self.start_publisher(slot)
