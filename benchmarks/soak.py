@@ -1122,6 +1122,17 @@ class Soak:
             "writer_reconnections": sum(w.reconnections for w in self.writers),
             "writer_most_behind_seconds": round(max(w.most_behind for w in self.writers), 2),
             "writer_errors": [repr(w.error) for w in self.writers if w.error is not None],
+            "writers": [
+                {
+                    "index": w.plan.index,
+                    "per_transaction": list(w.plan.batch),
+                    "hot_key": w.plan.hot_key,
+                    "messages": w.messages,
+                    "rate": round(w.messages / max(w.ended - w.began, 1e-9), 1),
+                    "most_behind_seconds": round(w.most_behind, 2),
+                }
+                for w in self.writers
+            ],
             "seconds_writing": written_at,
             "seconds_draining": drained,
             "stalled": self.stall,
