@@ -189,10 +189,18 @@ WITH outcome AS (
         send_alone = o.send_alone,
         updated_at = now()
     FROM outcome AS o, closed AS c
-    -- The id list lets the planner look each row up by its key; joined on
-    -- outcome alone, it hashed every pending row of the backlog.
+    -- Each row is looked up by its key, whatever the statistics say. The id
+    -- list makes the key an index condition (joined on outcome alone, every
+    -- pending row of the backlog was hashed). The state is compared under
+    -- the "C" collation (the same test: states are ASCII) so that the
+    -- planner cannot read it from the partial index messages_claimable
+    -- instead: the statistics of a queue table lag behind it, and when
+    -- ANALYZE last saw few pending rows, that index looks like one row to
+    -- read while a backlog has filled it (a claim after a stall read 20,000
+    -- index entries per statement; recovery, joining twice, read 20,000 per
+    -- message: 80 s for one batch).
     WHERE m.id = ANY(%(ids)s::uuid[])
-      AND m.id = o.id AND m.fence = o.fence - 1 AND m.state = 'pending'
+      AND m.id = o.id AND m.fence = o.fence - 1 AND m.state COLLATE "C" = 'pending'
     RETURNING m.id, m.topic, m.attempts, o.fence, o.outcome, o.error, o.send_began,
               o.kafka_partition, o.kafka_offset, c.claimed_at
 ), recorded AS (
@@ -209,6 +217,10 @@ WITH outcome AS (
     FROM settled
     WHERE outcome = 'delivered'
     GROUP BY topic, kafka_partition
+    -- In one order for everyone: two publishers settling batches that share
+    -- partitions would otherwise lock their rows in opposite orders and
+    -- deadlock.
+    ORDER BY topic, kafka_partition
     ON CONFLICT (topic, kafka_partition) DO UPDATE
     SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
         updated_at = now()
@@ -246,15 +258,19 @@ WITH closed AS (
         send_alone = false,
         updated_at = now()
     FROM outcome AS o
-    -- The id list makes the planner look each row up by its key.
+    -- Looked up by key, whatever the statistics say (see settle_batch).
     WHERE m.id = ANY((SELECT message_ids FROM closed)::uuid[])
-      AND m.id = o.id AND m.fence = o.fence - 1 AND m.state = 'pending'
+      AND m.id = o.id AND m.fence = o.fence - 1 AND m.state COLLATE "C" = 'pending'
     RETURNING m.id, m.topic, o.kafka_partition, o.kafka_offset
 ), confirmed AS (
     INSERT INTO outbox.partition_offsets AS po (topic, kafka_partition, confirmed_offset)
     SELECT topic, kafka_partition, max(kafka_offset)
     FROM settled
     GROUP BY topic, kafka_partition
+    -- In one order for everyone: two publishers settling batches that share
+    -- partitions would otherwise lock their rows in opposite orders and
+    -- deadlock.
+    ORDER BY topic, kafka_partition
     ON CONFLICT (topic, kafka_partition) DO UPDATE
     SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
         updated_at = now()
@@ -301,13 +317,13 @@ WITH expired AS (
                                    e.send_began_at) END) AS reason
     FROM expired AS e
     LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
-), judged AS (
-    -- The message rows as the claim left them (it writes none): send_alone
-    -- says whether the message was claimed as a suspect.
-    SELECT m.id, d.id AS batch_id, m.send_alone AND d.alone AS charged
+), members AS (
+    SELECT u.id, d.id AS batch_id
     FROM decided AS d
-    JOIN outbox.messages AS m ON m.id = ANY(d.message_ids) AND m.state = 'pending'
+    CROSS JOIN LATERAL unnest(d.message_ids) AS u(id)
 ), moved AS (
+    -- SET reads the row as the claim left it (it writes none): send_alone
+    -- says whether the message was claimed as a suspect.
     UPDATE outbox.messages AS m
     SET state = d.next_state,
         fence = m.fence + 1,
@@ -317,16 +333,19 @@ WITH expired AS (
         kafka_offset = NULL,
         available_at = CASE WHEN d.next_state = 'pending' THEN now()
                             ELSE greatest(now(), d.write_deadline) END,
-        failures = m.failures + j.charged::integer,
+        failures = m.failures + (m.send_alone AND d.alone)::integer,
         send_alone = true,
         last_error = d.reason || CASE
-            WHEN j.charged
+            WHEN m.send_alone AND d.alone
             THEN format('; it was claimed alone, suspected of ending its publisher''s claims, '
                         'so this counts as failure %%s', m.failures + 1)
             ELSE '; no failure is counted, but it is suspect: claimed alone until settled' END,
         updated_at = now()
-    FROM decided AS d, judged AS j
-    WHERE m.id = j.id AND d.id = j.batch_id AND m.state = 'pending'
+    FROM members AS j
+    JOIN decided AS d ON d.id = j.batch_id
+    -- Looked up by key, whatever the statistics say (see settle_batch).
+    WHERE m.id = ANY((SELECT array_agg(id) FROM members)::uuid[])
+      AND m.id = j.id AND m.state COLLATE "C" = 'pending'
     RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
               d.publisher_id, d.claimed_at, d.send_began_at, m.last_error AS reason
 ), recorded AS (
@@ -389,7 +408,10 @@ WITH d AS (
         last_error = CASE WHEN d.to_state = 'delivered' THEN NULL ELSE d.reason END,
         updated_at = now()
     FROM d
-    WHERE m.id = d.id AND m.fence = d.fence AND m.state = 'uncertain'
+    -- Looked up by key, whatever the statistics say (see settle_batch): after
+    -- a broker outage the uncertain messages may be many.
+    WHERE m.id = ANY(%(ids)s::uuid[])
+      AND m.id = d.id AND m.fence = d.fence AND m.state COLLATE "C" = 'uncertain'
       AND m.escalated_at IS NULL
     RETURNING m.id, m.topic, d.to_state, d.kafka_partition, d.kafka_offset, d.reason,
               d.evidence
@@ -403,6 +425,10 @@ WITH d AS (
     FROM decided
     WHERE to_state = 'delivered'
     GROUP BY topic, kafka_partition
+    -- In one order for everyone: two publishers settling batches that share
+    -- partitions would otherwise lock their rows in opposite orders and
+    -- deadlock.
+    ORDER BY topic, kafka_partition
     ON CONFLICT (topic, kafka_partition) DO UPDATE
     SET confirmed_offset = greatest(po.confirmed_offset, excluded.confirmed_offset),
         updated_at = now()
