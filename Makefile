@@ -11,7 +11,8 @@ WITH_SERVICES := . ./.services.env &&
 help:
 	@echo "make venv           create .venv with the project and its dev tools"
 	@echo "make services       start (or reuse) local PostgreSQL and Kafka; writes .services.env"
-	@echo "make services-down  stop them"
+	@echo "                    (KAFKA_BROKERS=3: a three-broker Kafka cluster instead of one broker)"
+	@echo "make services-down  stop them (either Kafka shape)"
 	@echo "make test           ruff, mypy, the import contracts and every test against the real services"
 	@echo "make imports        the import contracts (import-linter; see [tool.importlinter] in pyproject.toml)"
 	@echo "make unit           only the tests that need no services"
@@ -28,8 +29,10 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# KAFKA_BROKERS=3 runs Kafka as a three-broker cluster (OUTBOX_KAFKA_BROKERS;
+# see services/README.md). Without it, services/up decides (one broker).
 services:
-	services/up
+	$(if $(KAFKA_BROKERS),OUTBOX_KAFKA_BROKERS=$(KAFKA_BROKERS) )services/up
 
 services-down:
 	services/down
