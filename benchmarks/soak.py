@@ -127,7 +127,7 @@ BROKER_AT, POSTGRES_AT, FREEZE_AT = 0.4, 0.6, 0.8
 
 LAG_QUERY = """
 WITH d AS (
-    SELECT extract(epoch FROM delivered_at - created_at) * 1000 AS ms
+    SELECT extract(epoch FROM delivered_at - created_at)::float8 * 1000 AS ms
     FROM outbox.messages
     WHERE id >= outbox.uuid7_floor(%(low)s) AND state = 'delivered'
       AND delivered_at > %(after)s AND delivered_at <= %(until)s
@@ -1110,6 +1110,7 @@ class Soak:
             "write_deadline_seconds": self.config.write_deadline_seconds,
             "absence_grace_seconds": self.config.absence_grace,
             "rate_asked": args.rate,
+            "recovery_margin": args.recovery_margin,
             "rate_achieved": round(messages / writer_seconds, 1),
             "messages": messages,
             "keys": sum(len(w.counters) for w in self.writers),
@@ -1645,13 +1646,7 @@ def summarise(result: dict[str, Any]) -> None:
     print(f"  {verdict}", flush=True)
 
 
-def plot(
-    samples: Sequence[dict[str, Any]],
-    result: dict[str, Any],
-    runs: Sequence[PublisherRun],
-    margin: float,
-    path: Path,
-) -> None:
+def plot(samples: Sequence[dict[str, Any]], result: dict[str, Any], path: Path) -> None:
     """Five panels over the run's minutes: lag, open messages, sizes, dead tuples, RSS;
     the fault windows shaded."""
     import matplotlib  # noqa: PLC0415 - only the plot needs it
@@ -1724,14 +1719,18 @@ def plot(
     )
     dead.set_ylabel("dead tuples")
     dead.legend(loc="upper left", fontsize=8)
-    for run in runs:
-        if run.rss:
-            rss.plot(
-                [t / 60 for t, _ in run.rss],
-                [b / 2**20 for _, b in run.rss],
-                color=("tab:blue", "tab:orange")[run.slot % 2],
-                linewidth=1,
-            )
+    memory: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for sample in samples:
+        for p in sample["publishers"]:
+            if p["rss"] is not None and p["state"] == "running":
+                memory.setdefault((p["number"], p["slot"]), []).append((sample["t"], p["rss"]))
+    for (_, slot), points in sorted(memory.items()):
+        rss.plot(
+            [t / 60 for t, _ in points],
+            [b / 2**20 for _, b in points],
+            color=("tab:blue", "tab:orange")[slot % 2],
+            linewidth=1,
+        )
     rss.set_ylabel("publisher RSS (MiB)\n(blue: slot 0, orange: 1)")
     rss.set_xlabel("minutes")
     colours = {
@@ -1744,11 +1743,14 @@ def plot(
     for f in result["faults"]:
         if f["started_at"] is None:
             continue
-        end = (f["ended_at"] or f["started_at"]) + margin
+        # The window, then (paler) on to the recovery when that came later.
+        end = (f["ended_at"] or f["started_at"]) + result["recovery_margin"]
+        recovered = max(f["recovered_at"] or end, end)
         for ax in axes:
             ax.axvspan(
-                f["started_at"] / 60, end / 60, color=colours[f["kind"]], alpha=0.15, linewidth=0
+                f["started_at"] / 60, end / 60, color=colours[f["kind"]], alpha=0.2, linewidth=0
             )
+            ax.axvspan(end / 60, recovered / 60, color=colours[f["kind"]], alpha=0.08, linewidth=0)
         lag.annotate(
             f["kind"].replace("publisher ", "").replace(" restart", ""),
             (f["started_at"] / 60, 1.0),
@@ -1771,6 +1773,16 @@ def plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def summary_of(result: dict[str, Any]) -> dict[str, Any]:
+    """What latest.json keeps of a run: not the per-writer and per-process detail nor the
+    read_uncommitted view (soak.json has them)."""
+    return {
+        k: v
+        for k, v in result.items()
+        if k not in {"read_uncommitted", "writers", "publisher_runs"}
+    }
 
 
 def write_series(result: dict[str, Any], samples: Sequence[dict[str, Any]]) -> None:
@@ -1848,6 +1860,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drain-timeout", type=float, default=600.0)
     parser.add_argument("--stall-seconds", type=float, default=180.0)
     parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="only draw the plot (and record the summary) again from soak.json",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the database and topic")
     parser.add_argument(
         "--no-record", action="store_true", help="leave latest.json as it is (a trial run)"
@@ -1866,6 +1883,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Run the soak; exit 1 if a check failed."""
     args = parse_args()
+    if args.replot:
+        series = json.loads(SERIES.read_text())
+        plot(series["samples"], series["result"], PLOT)
+        if not args.no_record:
+            record_results("soak", summary_of(series["result"]) | {"date": series["date"]})
+        print(f"  drew {PLOT} from {SERIES}" + ("" if args.no_record else ", recorded 'soak'"))
+        return
     base_url, bootstrap = environment()
     soak = Soak(args, base_url, bootstrap)
     if args.recovery_limit is None:
@@ -1879,9 +1903,9 @@ def main() -> None:
         raise
     summarise(result)
     write_series(result, soak.samples)
-    plot(soak.samples, result, soak.runs, args.recovery_margin, PLOT)
+    plot(soak.samples, result, PLOT)
     if not args.no_record:
-        record_results("soak", {k: v for k, v in result.items() if k != "read_uncommitted"})
+        record_results("soak", summary_of(result))
     print(
         f"  wrote {SERIES} and {PLOT}" + ("" if args.no_record else ", and 'soak' in latest.json")
     )
