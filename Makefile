@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Each recipe line that talks to the services first loads where they are.
 WITH_SERVICES := . ./.services.env &&
 
-.PHONY: help venv services services-down lint typecheck imports unit test demo bench soak-freeze clean
+.PHONY: help venv services services-down lint typecheck imports unit test demo bench soak-freeze soak clean
 
 help:
 	@echo "make venv           create .venv with the project and its dev tools"
@@ -19,6 +19,7 @@ help:
 	@echo "make demo           an example service writes orders; a publisher delivers them"
 	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers, sinks"
 	@echo "make soak-freeze    publishers frozen and woken at random points: nothing lost or doubled, keys in order (SOAK_ARGS=...)"
+	@echo "make soak           30 minutes at 2,000 msg/s on three brokers with publisher, broker and PostgreSQL faults; restarts THIS checkout's services (SOAK_ARGS=...)"
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,6 +75,13 @@ bench: venv services
 # (tests/support.py), and its publishers must run this checkout's code, hence PYTHONPATH.
 soak-freeze: venv services
 	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/freeze_soak.py $(SOAK_ARGS)
+
+# Not a test: half an hour (--minutes), and it kills and restarts the services
+# this checkout's services/up started, three brokers unless KAFKA_BROKERS says
+# otherwise: run it on an instance of its own (docs/development.md, "Soak").
+soak: venv
+	OUTBOX_KAFKA_BROKERS=$(or $(KAFKA_BROKERS),3) services/up
+	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

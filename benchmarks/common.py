@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import psycopg
@@ -34,28 +35,39 @@ from psycopg import sql
 import outbox
 from outbox.migrations import migrate
 from publisher.app import build_publisher
-from publisher.config import PublisherConfig
+from publisher.config import PublisherConfig, resolve
 from publisher.loop import Publisher
 
 __all__ = [
     "KEYS",
+    "LOG_EVENTS",
     "PARTITIONS",
     "RESULTS",
     "Cpu",
     "CpuWatch",
     "backlog",
+    "config_of",
+    "create_replicated_topic",
     "database_url",
     "delete_topic",
     "environment",
+    "log_events",
     "make_records",
     "new_topic",
+    "partition_leaders",
+    "patiently",
     "percentile",
+    "publisher_id_of",
     "publisher_on_backlog",
     "record_results",
+    "registered",
+    "rss_bytes",
     "start_publisher",
     "stop_publisher",
     "temporary_database",
 ]
+
+T = TypeVar("T")
 
 KEYS = 1_000
 PARTITIONS = 3
@@ -252,6 +264,66 @@ def delete_topic(bootstrap: str, name: str) -> None:
         print(f"could not delete topic {name}: {exc}", file=sys.stderr)
 
 
+def create_replicated_topic(
+    bootstrap: str,
+    name: str,
+    partitions: int,
+    replication_factor: int,
+    *,
+    configs: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> None:
+    """Create a topic and wait until every partition has a leader and its full ISR."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-bench")
+    try:
+        admin.create_topics(
+            [NewTopic(name, partitions, replication_factor, topic_configs=configs or {})]
+        )
+    finally:
+        admin.close()
+    deadline = time.monotonic() + timeout
+    while True:
+        found = partition_leaders(bootstrap, name)
+        ready = [p for p in found if p["leader"] >= 0 and len(p["isr"]) >= replication_factor]
+        if len(found) == partitions and len(ready) == partitions:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"topic {name}: {len(ready)} of {partitions} partitions ready after "
+                f"{timeout:g} s ({found})"
+            )
+        time.sleep(0.2)
+
+
+def partition_leaders(bootstrap: str, topic: str) -> list[dict[str, Any]]:
+    """Each partition of ``topic`` with its leader's node id (-1: none) and its ISR."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-bench")
+    try:
+        described = admin.describe_topics([topic])
+    finally:
+        admin.close()
+    found = described[0].get("partitions") or [] if described else []
+    return sorted(
+        (
+            {"partition": p["partition_index"], "leader": p["leader_id"], "isr": p["isr_nodes"]}
+            for p in found
+        ),
+        key=lambda p: p["partition"],
+    )
+
+
+def patiently(action: Callable[[], T], timeout: float = 180.0) -> T:
+    """``action()``, tried again while the database or Kafka cannot be reached (restarts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return action()
+        except (psycopg.OperationalError, KafkaError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 # --- publisher processes ---------------------------------------------------------
 
 
@@ -300,6 +372,68 @@ def wait_for_publishers(url: str, count: int, timeout: float = 30.0) -> None:
                     f"{listening} listening, {lanes} lanes owned"
                 )
             time.sleep(0.05)
+
+
+def config_of(flags: Sequence[str], url: str, bootstrap: str) -> PublisherConfig:
+    """The configuration these flags (all ``--name value`` pairs) give a publisher."""
+    given = {
+        name.removeprefix("--").replace("-", "_"): value
+        for name, value in zip(flags[::2], flags[1::2], strict=True)
+    }
+    return resolve({**given, "database_url": url, "kafka_bootstrap": bootstrap}, {})
+
+
+def publisher_id_of(conn: psycopg.Connection[Any], pid: int) -> str | None:
+    """The id in ``outbox.publishers`` of the running publisher process ``pid``."""
+    row = conn.execute(
+        "SELECT id FROM outbox.publishers WHERE pid = %s AND stopped_at IS NULL "
+        "ORDER BY started_at DESC LIMIT 1",
+        (pid,),
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def registered(url: str, process: subprocess.Popen[bytes]) -> bool:
+    """Whether the publisher process has registered (or exited: nothing to wait for)."""
+
+    def look() -> bool:
+        with psycopg.connect(url) as conn:
+            return publisher_id_of(conn, process.pid) is not None
+
+    return process.poll() is not None or patiently(look)
+
+
+#: Log lines worth counting, from every publisher of a long run.
+LOG_EVENTS = {
+    "settles with a stale fence": re.compile(r"fence is stale"),
+    "batches dropped at the socket (write deadline passed)": re.compile(
+        r"write deadline passed before the producer wrote"
+    ),
+    "sessions found fenced on waking": re.compile(r"this producer session was fenced"),
+    "sessions fenced by a reconciler": re.compile(r"fenced producer session"),
+    "messages marked uncertain at send": re.compile(r"marked uncertain"),
+    "injected pauses": re.compile(r"injected pause at"),
+    "tracebacks": re.compile(r"^Traceback", re.MULTILINE),
+    "database unavailable": re.compile(r"database unavailable"),
+    "broker connections refused": re.compile(r"ECONNREFUSED"),
+}
+
+
+def log_events(log_dir: Path) -> dict[str, int]:
+    """How often each of ``LOG_EVENTS`` appears in the ``*.log`` files of ``log_dir``."""
+    text = "\n".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("*.log")))
+    return {name: len(pattern.findall(text)) for name, pattern in LOG_EVENTS.items()}
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of one process (``VmRSS``), or ``None`` once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return None
+    return None
 
 
 # --- CPU time --------------------------------------------------------------------

@@ -41,7 +41,6 @@ import importlib.util
 import itertools
 import json
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -53,23 +52,27 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from common import (
+    config_of,
     create_database,
     delete_topic,
     drop_database,
     environment,
     kafka_pids,
+    log_events,
+    patiently,
+    publisher_id_of,
+    registered,
     stamp,
     wait_for_publishers,
 )
-from kafka.errors import KafkaError
 
 import outbox
 from outbox.migrations import migrate
-from publisher.config import PublisherConfig, resolve
+from publisher.config import PublisherConfig
 from tests.support import (
     ConsumedRecord,
     count_by_state,
@@ -82,8 +85,6 @@ from tests.support import (
     stop_and_wait,
     wait_until,
 )
-
-T = TypeVar("T")
 
 RESULTS = Path(__file__).resolve().parent / "results" / "freeze_soak.json"
 
@@ -103,22 +104,6 @@ CUTS = {
     "idempotent": ("after_send", "after_ack", "after_claim", "after_confirm"),
     "transactional": ("after_send", "after_commit", "after_ack", "after_claim", "after_confirm"),
 }
-
-#: Log lines worth counting, from every publisher of a run.
-LOG_EVENTS = {
-    "settles with a stale fence": re.compile(r"fence is stale"),
-    "batches dropped at the socket (write deadline passed)": re.compile(
-        r"write deadline passed before the producer wrote"
-    ),
-    "sessions found fenced on waking": re.compile(r"this producer session was fenced"),
-    "sessions fenced by a reconciler": re.compile(r"fenced producer session"),
-    "messages marked uncertain at send": re.compile(r"marked uncertain"),
-    "injected pauses": re.compile(r"injected pause at"),
-    "tracebacks": re.compile(r"^Traceback", re.MULTILINE),
-    "database unavailable": re.compile(r"database unavailable"),
-    "broker connections refused": re.compile(r"ECONNREFUSED"),
-}
-
 
 # --- the plan ----------------------------------------------------------------------
 
@@ -227,27 +212,6 @@ def publisher_flags(args: argparse.Namespace, delivery: str) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def config_of(flags: Sequence[str], url: str, bootstrap: str) -> PublisherConfig:
-    """The configuration these flags (all ``--name value`` pairs) give a publisher."""
-    given = {
-        name.removeprefix("--").replace("-", "_"): value
-        for name, value in zip(flags[::2], flags[1::2], strict=True)
-    }
-    return resolve({**given, "database_url": url, "kafka_bootstrap": bootstrap}, {})
-
-
-def patiently(action: Callable[[], T], timeout: float = 180.0) -> T:
-    """``action()``, tried again while the database or Kafka cannot be reached (restarts)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return action()
-        except (psycopg.OperationalError, KafkaError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
-
-
 # --- writers -----------------------------------------------------------------------
 
 
@@ -342,26 +306,6 @@ class Writer(threading.Thread):
 
 
 # --- one run -----------------------------------------------------------------------
-
-
-def registered(url: str, process: subprocess.Popen[bytes]) -> bool:
-    """Whether the publisher process has registered (or exited: nothing to wait for)."""
-
-    def look() -> bool:
-        with psycopg.connect(url) as conn:
-            return publisher_id_of(conn, process.pid) is not None
-
-    return process.poll() is not None or patiently(look)
-
-
-def publisher_id_of(conn: psycopg.Connection[Any], pid: int) -> str | None:
-    """The id in ``outbox.publishers`` of the running publisher process ``pid``."""
-    row = conn.execute(
-        "SELECT id FROM outbox.publishers WHERE pid = %s AND stopped_at IS NULL "
-        "ORDER BY started_at DESC LIMIT 1",
-        (pid,),
-    ).fetchone()
-    return None if row is None else str(row[0])
 
 
 def phase_of(url: str, pid: int) -> tuple[str | None, str, list[dict[str, Any]]]:
@@ -716,7 +660,7 @@ class Run:
             "topic": self.topic,
             "log_dir": str(self.log_dir),
             **self.examine(set(ids)),
-            "log_events": self.log_events(),
+            "log_events": log_events(self.log_dir),
         }
         self.trace_duplicates(plan, result["read_committed"]["duplicated_ids"])
         result["freezes"] = [asdict(f) for f in plan]
@@ -854,11 +798,6 @@ class Run:
             f.duplicated_from_its_batches = len(
                 {m for p, b, m in tried if p == f.publisher_id and b in held}
             )
-
-    def log_events(self) -> dict[str, int]:
-        """How often each notable event appears in the publishers' logs."""
-        text = "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("*.log")))
-        return {name: len(pattern.findall(text)) for name, pattern in LOG_EVENTS.items()}
 
     def clean_up(self, keep: bool) -> None:
         """Drop the database and the topic, unless they are kept for inspection."""
