@@ -348,35 +348,33 @@ def test_a_busy_publisher_is_not_notified(
 
 
 def test_a_publisher_that_falls_asleep_during_a_commit_without_notification_delivers_it(
-    database_url: str, kafka_bootstrap: str, topic: str, notifications: Notifications
+    database_url: str, topic: str, running_publisher: Publisher, notifications: Notifications
 ) -> None:
-    """A writer decided, before any publisher slept, not to notify, and commits while a
-    publisher (polling only every minute) is going to sleep: the message is delivered
-    within seconds of the commit, with no notification, because the publisher's
-    announcement waits for (or, past its lock timeout, claims again around) that commit."""
+    """The race with the real loop: a writer decides while no publisher sleeps not to
+    notify; the publisher then wakes, finds nothing (the writer has not committed) and goes
+    back to sleep; the writer commits. Its message is delivered within seconds, long before
+    the minute's poll, with no notification: the announcement waited for that commit and
+    the loop claimed once more after it."""
+    wait_until(lambda: _sleeping(database_url) == 1, timeout=10, what="an announced sleep")
+    # Nobody sleeps as far as writers can tell: the announcing session is gone.
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s",
+            (ANNOUNCER,),
+        )
+    wait_until(lambda: _sleeping(database_url) == 0, timeout=10, what="the announcement gone")
     with psycopg.connect(database_url) as writer:
         writer.execute("SET CONSTRAINTS outbox.messages_notify_pending IMMEDIATE")
-        outbox.enqueue(writer, topic, b"decided before the publisher slept")
-        publisher = build_publisher(
-            publisher_config(
-                database_url, kafka_bootstrap, exit_when_idle=False, poll_interval=LONG_POLL
-            )
+        outbox.enqueue(writer, topic, b"decided while nobody slept")
+        running_publisher.waker.wake()  # it claims (nothing yet) and falls asleep again
+        wait_until(
+            lambda: _announcement_waiting(database_url),
+            timeout=10,
+            what="the publisher falling asleep, its announcement held up by the writer",
         )
-        thread = threading.Thread(target=publisher.run, daemon=True)
-        thread.start()
-        try:
-            wait_until(publisher.waker.listening.is_set, timeout=10, what="the listener")
-            wait_until(
-                lambda: _announcement_waiting(database_url),
-                timeout=10,
-                what="the publisher announcing its sleep, held up by the writer",
-            )
-            writer.commit()
-            committed = time.monotonic()
-            _wait_delivered(database_url, 1)
-            assert time.monotonic() - committed < 5.0
-            assert notifications.since_last() == 0
-        finally:
-            publisher.request_stop()
-            thread.join(timeout=30)
-        assert not thread.is_alive()
+        writer.commit()
+    committed = time.monotonic()
+    _wait_delivered(database_url, 1)
+    assert time.monotonic() - committed < 5.0
+    assert notifications.since_last() == 0
