@@ -20,9 +20,11 @@ durability (``synchronous_commit`` on). The variants at each N:
   through it (its worst case).
 
 Writers are threads spread over a few worker processes (``--processes``), so
-that no one interpreter lock bounds them; each worker's CPU use and the
-machine's are reported. A session LISTENs on ``outbox_pending`` throughout,
-as a publisher's listener would, and counts the notifications of each point.
+that no one interpreter lock bounds them; each worker's CPU use is reported,
+and so are the CPU milliseconds a transaction costs in the writers'
+processes (client) and in their backends (server), and how busy the whole
+machine was. A session LISTENs on ``outbox_pending`` throughout, as a
+publisher's listener would, and counts the notifications of each point.
 
 Each point runs ``--seconds`` after a warm-up; the rounds (``--rounds``)
 interleave every point, the variants' order rotating from one round to the
@@ -56,6 +58,7 @@ from typing import Any
 
 import psycopg
 from common import (
+    cpu_seconds,
     delete_topic,
     environment,
     machine_busy_seconds,
@@ -78,6 +81,8 @@ TOPIC = "orders"
 SHIPPED = "messages_notify_pending"
 #: The trigger as before outbox.wakeup: a NOTIFY from every enqueuing statement.
 ALWAYS = "bench_notify_always"
+#: The application name of the writers' connections (their backends' CPU is read).
+WRITER = "bench writer"
 
 ORDERS_TABLE = """
 CREATE TABLE bench_orders (
@@ -173,7 +178,7 @@ def writers(spec: Writers) -> Share:
     errors = [0] * threads
 
     def write(i: int) -> None:
-        with psycopg.connect(url) as conn:
+        with psycopg.connect(url, application_name=WRITER) as conn:
             late[i] = time.time() > measure_from
             n = first + i
             while time.time() < stop_at:
@@ -294,6 +299,10 @@ def run_point(
     time.sleep(max(measure_from - time.time(), 0))
     listener.take()
     busy_start, idle_start = machine_busy_seconds()
+    backends = {pid: cpu_seconds(pid) or 0.0 for pid in writer_backends(bench.url)}
+    # Read the backends' CPU just before the writers stop (their backends exit then).
+    time.sleep(max(stop_at - 0.1 - time.time(), 0))
+    server_cpu = sum((cpu_seconds(pid) or start) - start for pid, start in backends.items())
     time.sleep(max(stop_at - time.time(), 0))
     busy_end, idle_end = machine_busy_seconds()
     time.sleep(0.2)  # the last notifications of the span reach the listener
@@ -305,19 +314,38 @@ def run_point(
     if late or errors:
         print(f"    ({late} writers connected late, {errors} transactions failed)")
     busy = busy_end - busy_start
+    # The server's CPU was read over 0.1 s less than the commits were counted.
+    in_span = committed * (seconds - 0.1) / seconds
     return {
         "tps": round(committed / seconds, 1),
         "notifications_per_commit": round(notifications / committed, 3) if committed else None,
+        "client_cpu_ms_per_commit": (
+            round(sum(s.cpu_seconds for s in shares) / committed * 1000, 3) if committed else None
+        ),
+        "server_cpu_ms_per_commit": round(server_cpu / in_span * 1000, 3) if committed else None,
         "worker_cpu": [round(s.cpu_seconds / seconds, 2) for s in shares],
         "machine_busy": round(busy / (busy + idle_end - idle_start), 2),
     }
 
 
+def writer_backends(url: str) -> list[int]:
+    """The pids of the backends serving the writers."""
+    with psycopg.connect(url) as conn:
+        return [
+            pid
+            for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = %s",
+                (WRITER,),
+            )
+        ]
+
+
 def show(n: int, variant: Variant, point: dict[str, Any]) -> None:
-    per_commit = point["notifications_per_commit"]
     print(
         f"  {n:>3} writers  {variant.name:<25} {point['tps']:>8,.1f} tx/s  "
-        f"notifications/commit {per_commit if per_commit is not None else '-'}  "
+        f"notifications/commit {point['notifications_per_commit']}  CPU ms/commit: client "
+        f"{point['client_cpu_ms_per_commit']}, server {point['server_cpu_ms_per_commit']}  "
         f"machine {point['machine_busy']:.0%} busy  worker CPU {point['worker_cpu']}"
     )
 
@@ -585,10 +613,14 @@ def main() -> None:
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One variant's points over the rounds: each round's rate, the median, notifications."""
     per_commit = [p["notifications_per_commit"] for p in runs if p["notifications_per_commit"]]
+    client = [p["client_cpu_ms_per_commit"] for p in runs if p["client_cpu_ms_per_commit"]]
+    server = [p["server_cpu_ms_per_commit"] for p in runs if p["server_cpu_ms_per_commit"]]
     return {
         "tps": [p["tps"] for p in runs],
         "median_tps": round(statistics.median(p["tps"] for p in runs), 1),
         "notifications_per_commit": round(statistics.median(per_commit), 3) if per_commit else 0,
+        "client_cpu_ms_per_commit": round(statistics.median(client), 3) if client else None,
+        "server_cpu_ms_per_commit": round(statistics.median(server), 3) if server else None,
         "machine_busy": [p["machine_busy"] for p in runs],
         "worker_cpu_max": max(max(p["worker_cpu"]) for p in runs),
     }
