@@ -70,6 +70,7 @@ bench: venv services
 	$(WITH_SERVICES) $(BIN)/python benchmarks/publishers.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/sinks.py --record
 	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/status_scale.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/writer_scaling.py
 
 # Not a test: five to ten minutes per delivery mode. It imports test helpers
 # (tests/support.py), and its publishers must run this checkout's code, hence PYTHONPATH.

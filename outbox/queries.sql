@@ -595,6 +595,24 @@ SELECT extract(epoch FROM least(
 -- or role sets (see publisher/connector.py).
 SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED
 
+-- name: listen
+-- The waker's session of its own: woken by the commits that notify, which are
+-- those made while a publisher sleeps (see announce_sleep).
+LISTEN outbox_pending
+
+-- name: announce_sleep
+-- A publisher about to sleep holds outbox.wakeup in SHARE mode for the whole
+-- sleep (its transaction ends with the sleep): from then on each enqueuing
+-- transaction fails to take it in ROW EXCLUSIVE mode as it commits and sends
+-- NOTIFY (the trigger of outbox.messages). The lock waits for the writers that
+-- took it before, committing without a notification: once granted, their
+-- messages are visible, and the publisher claims once more before it sleeps.
+-- Such a writer holds it only from its pre-commit to its commit, unless it
+-- made the trigger immediate (SET CONSTRAINTS): past the lock timeout the
+-- publisher gives up this once and claims again instead.
+SET LOCAL lock_timeout = '500ms';
+LOCK TABLE outbox.wakeup IN SHARE MODE
+
 -- name: register_publisher
 INSERT INTO outbox.publishers (id, host, pid, version)
 VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)

@@ -27,16 +27,23 @@ REVOKE ALL ON SCHEMA outbox FROM {writer}, {publisher}, {operator};
 -- columns; seq (an identity), lane and key_hash (generated) need no grant,
 -- nor the advisory locks or the NOTIFY of the insert trigger. Nothing else
 -- of any message is readable: not its value, headers, key, topic or state.
+-- The trigger, as the transaction commits, takes outbox.wakeup in ROW
+-- EXCLUSIVE mode if no publisher sleeps (it notifies otherwise), which LOCK
+-- TABLE allows only with INSERT on it: the view holds nothing and takes no
+-- row. Without it the trigger notifies on every commit.
 GRANT USAGE ON SCHEMA outbox TO {writer};
 GRANT INSERT (id, topic, key, value, header_names, header_values, idempotency_key)
     ON outbox.messages TO {writer};
 GRANT SELECT (id, idempotency_key) ON outbox.messages TO {writer};
+GRANT INSERT ON outbox.wakeup TO {writer};
 
 -- name: publisher
 -- outbox-publisher and outbox-publisher reconcile: claim, mark, settle,
 -- recovery, reconciliation, heartbeat, lanes, metrics (read), retention
--- (outbox purge, or the publisher's --retention-interval) and LISTEN (which
--- needs no grant). It reads every outbox table and view; it writes the
+-- (outbox purge, or the publisher's --retention-interval), LISTEN (which
+-- needs no grant) and the announcement of its sleep: outbox.wakeup held in
+-- SHARE mode, which LOCK TABLE allows only with UPDATE on it (the view holds
+-- nothing to update). It reads every outbox table and view; it writes the
 -- delivery columns of a message, never its payload, topic or key.
 GRANT USAGE ON SCHEMA outbox TO {publisher};
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {publisher};
@@ -55,6 +62,7 @@ GRANT INSERT (topic, kafka_partition, confirmed_offset), UPDATE (confirmed_offse
 GRANT INSERT (id, host, pid, version), UPDATE (heartbeat_at, stopped_at, transactional_id)
     ON outbox.publishers TO {publisher};
 GRANT UPDATE (owner, lease_expires_at, fence, acquired_at) ON outbox.lanes TO {publisher};
+GRANT UPDATE ON outbox.wakeup TO {publisher};
 -- Retention: purge_delivered, purge_attempts, purge_decisions, purge_batches.
 GRANT DELETE ON outbox.messages, outbox.attempts, outbox.decisions, outbox.batches
     TO {publisher};

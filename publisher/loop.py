@@ -233,11 +233,14 @@ class Publisher:
                 try:
                     self.maintain()
                     if self.run_once():
+                        self.waker.awake()  # busy: commits need not notify
                         self.health.database.succeeded()
                         self._outage_pause()
                         continue
                     wait = self._idle_wait()
                     self.health.database.succeeded()
+                    if wait is not None and self.waker.fall_asleep():
+                        continue  # announced asleep: claim once more, then wait
                 except psycopg.OperationalError as exc:
                     log.warning("database unavailable (%s); retrying", exc)
                     self.health.database.failed(exc)

@@ -95,7 +95,8 @@ _CATALOG = {
         SELECT c.relname, k.conname, k.contype, pg_get_constraintdef(k.oid)
         FROM pg_constraint AS k
         JOIN pg_class AS c ON c.oid = k.conrelid
-        WHERE k.connamespace = %(schema)s::regnamespace AND k.contype <> 'n'
+        -- A constraint trigger (t) is a trigger, which no MetaData describes.
+        WHERE k.connamespace = %(schema)s::regnamespace AND k.contype NOT IN ('n', 't')
         ORDER BY 1, 2
     """,
     "indexes": """

@@ -5,6 +5,8 @@ Listening to a real PostgreSQL, and reconnecting to it: tests/integration/test_w
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 import pytest
 
@@ -39,3 +41,25 @@ def test_each_failed_connection_doubles_the_wait_up_to_30_seconds() -> None:
         waker._turn()  # one turn as the thread runs it, failure handling included
         waits.append(waker._wait_seconds())
     assert waits == [4, 8, 16, 30, 30]
+
+
+def test_polling_only_never_announces_a_sleep() -> None:
+    """Without a conninfo there is nothing to announce: fall_asleep says wait as usual."""
+    waker = Waker(None)
+    assert waker.fall_asleep() is False
+    assert not waker.announced
+
+
+def test_an_announcement_that_cannot_connect_is_logged_once_and_waits_as_usual(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused announcing connection raises nothing: fall_asleep says wait as usual (the
+    poll interval bounds it), and the warning is not repeated while the reason stays."""
+    waker = Waker(NOWHERE)
+    with caplog.at_level(logging.WARNING, logger="publisher.waker"):
+        assert waker.fall_asleep() is False
+        assert waker.fall_asleep() is False
+    assert not waker.announced
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "publisher.waker"]
+    assert "cannot announce that this publisher sleeps" in warning
+    waker.stop()
