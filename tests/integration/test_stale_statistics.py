@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 
 import outbox
 from outbox.queries import query
-from publisher.store import array_literal
+from publisher.store import Batch, array_literal
 from tests.support import ClaimingStore, claiming_store
 
 pytestmark = pytest.mark.integration
@@ -75,6 +75,26 @@ def _assert_looked_up_by_key(plan: str) -> None:
         assert partial not in plan, f"read through {partial}:\n{plan}"
 
 
+def _settle_batch_params(store: ClaimingStore, batch: Batch, *, delivered: bool) -> dict[str, Any]:
+    """settle_batch's parameters: every message delivered (over six partitions), or refused."""
+    n = len(batch.messages)
+    return {
+        "batch_id": batch.id,
+        "publisher": store.publisher_id,
+        "ids": array_literal(m.id for m in batch.messages),
+        "fences": array_literal(m.fence for m in batch.messages),
+        "states": array_literal(["delivered" if delivered else "pending"] * n),
+        "outcomes": array_literal(["delivered" if delivered else "failed"] * n),
+        "partitions": array_literal(i % 6 if delivered else None for i in range(n)),
+        "offsets": array_literal(i if delivered else None for i in range(n)),
+        "retry_after": array_literal([0.0 if delivered else 1.0] * n),
+        "errors": array_literal([None if delivered else "refused"] * n),
+        "send_began": array_literal([True] * n),
+        "failures": array_literal([not delivered] * n),
+        "send_alone": array_literal([False] * n),
+    }
+
+
 def test_the_statistics_are_stale_as_the_tests_need(stale_backlog: tuple[str, Any]) -> None:
     url, _ = stale_backlog
     with psycopg.connect(url) as conn:
@@ -109,21 +129,7 @@ def test_recovery_and_settles_look_messages_up_by_key(
             _plan(
                 conn,
                 query("settle_batch"),
-                {
-                    "batch_id": batch.id,
-                    "publisher": store.publisher_id,
-                    "ids": array_literal(m.id for m in batch.messages),
-                    "fences": array_literal(m.fence for m in batch.messages),
-                    "states": array_literal(["pending"] * n),
-                    "outcomes": array_literal(["failed"] * n),
-                    "partitions": array_literal([None] * n),
-                    "offsets": array_literal([None] * n),
-                    "retry_after": array_literal([1.0] * n),
-                    "errors": array_literal(["refused"] * n),
-                    "send_began": array_literal([True] * n),
-                    "failures": array_literal([True] * n),
-                    "send_alone": array_literal([False] * n),
-                },
+                _settle_batch_params(store, batch, delivered=False),
             )
         )
         # The batch's lease runs out: recovery takes it.
@@ -201,21 +207,7 @@ def test_settles_lock_partition_offsets_in_one_order(
             "settle_batch": _plan(
                 conn,
                 query("settle_batch"),
-                {
-                    "batch_id": batch.id,
-                    "publisher": store.publisher_id,
-                    "ids": array_literal(m.id for m in batch.messages),
-                    "fences": array_literal(m.fence for m in batch.messages),
-                    "states": array_literal(["delivered"] * n),
-                    "outcomes": array_literal(["delivered"] * n),
-                    "partitions": array_literal(i % 6 for i in range(n)),
-                    "offsets": array_literal(range(n)),
-                    "retry_after": array_literal([0.0] * n),
-                    "errors": array_literal([None] * n),
-                    "send_began": array_literal([True] * n),
-                    "failures": array_literal([False] * n),
-                    "send_alone": array_literal([False] * n),
-                },
+                _settle_batch_params(store, batch, delivered=True),
             ),
         }
     for name, plan in plans.items():
