@@ -285,13 +285,20 @@ SELECT id FROM settled
 -- left for the next pass. The partition an earlier attempt stored is
 -- cleared: the reconciler derives this attempt's from the batch's evidence.
 -- A lease that expires may be a publisher killed by one of its messages (one
--- that crashes or hangs the producer every time), so every message moved is
--- marked suspect (send_alone): the claim takes it alone from then on, and
--- no failure is counted, since the batch says nothing of which message it
--- was. A batch that named only a suspect message is its own evidence: it
--- counts a failure (the loop quarantines such a message at its next claim
--- once its failures reach --max-attempts). A healthy message thus needs
--- --max-attempts recoveries in a row while alone to be quarantined.
+-- that crashes or hangs the producer every time), or, far more often, a
+-- publisher killed or cut off for reasons of its own. No failure is
+-- counted, since the batch says nothing of which message it was. A message
+-- recovered for the second time in a row (its previous attempt was
+-- abandoned too) is marked suspect (send_alone): the claim takes it alone
+-- from then on. A first recovery marks nothing, so one killed publisher
+-- costs its batches one more claim each, not one claim per message (a soak
+-- that killed a publisher with 1,000 messages in hand sent them one per
+-- batch for minutes); a poison kills a second publisher before it is
+-- isolated. A batch that named only a suspect message is its own evidence:
+-- it counts a failure (the loop quarantines such a message at its next
+-- claim once its failures reach --max-attempts). A healthy message thus
+-- needs two recoveries in a row, then --max-attempts more while alone, to be
+-- quarantined.
 WITH expired AS (
     SELECT b.id, b.publisher_id, b.lease_expires_at, b.claimed_at, b.send_began_at,
            b.message_ids,
@@ -318,7 +325,12 @@ WITH expired AS (
     FROM expired AS e
     LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
 ), members AS (
-    SELECT u.id, d.id AS batch_id
+    -- again: the message's previous attempt was abandoned by a recovery too.
+    SELECT u.id, d.id AS batch_id,
+           EXISTS (SELECT 1
+                   FROM outbox.messages AS p
+                   JOIN outbox.attempts AS a ON a.message_id = p.id AND a.attempt = p.attempts
+                   WHERE p.id = u.id AND a.outcome = 'abandoned') AS again
     FROM decided AS d
     CROSS JOIN LATERAL unnest(d.message_ids) AS u(id)
 ), moved AS (
@@ -334,12 +346,15 @@ WITH expired AS (
         available_at = CASE WHEN d.next_state = 'pending' THEN now()
                             ELSE greatest(now(), d.write_deadline) END,
         failures = m.failures + (m.send_alone AND d.alone)::integer,
-        send_alone = true,
+        send_alone = m.send_alone OR j.again,
         last_error = d.reason || CASE
             WHEN m.send_alone AND d.alone
             THEN format('; it was claimed alone, suspected of ending its publisher''s claims, '
                         'so this counts as failure %%s', m.failures + 1)
-            ELSE '; no failure is counted, but it is suspect: claimed alone until settled' END,
+            WHEN m.send_alone OR j.again
+            THEN '; no failure is counted, but it is suspect (its batches were recovered '
+                 'twice in a row): claimed alone until settled'
+            ELSE '; no failure is counted' END,
         updated_at = now()
     FROM members AS j
     JOIN decided AS d ON d.id = j.batch_id

@@ -120,8 +120,9 @@ def test_a_message_that_kills_every_publisher_is_quarantined_and_its_neighbours_
     assert (state, failures, send_alone) == ("quarantined", 2, True)
     assert "ended its publisher's claims" in last_error
     assert "--max-attempts 2" in last_error
-    # Once with its neighbours (no failure counted), then twice alone (two failures).
-    assert deaths == 3
+    # Twice with its neighbours (no failure counted; suspect after the second),
+    # then twice alone (two failures).
+    assert deaths == 4
     neighbours = [*before, *after]
     assert fetch_rows(
         database_url,
@@ -151,9 +152,10 @@ def _expire_and_recover(database_url: str, store: Any, expected: int) -> None:
 def test_publishers_killed_with_healthy_messages_quarantine_none(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
-    """Healthy messages whose publishers were killed twice (a batch of several, and a lone
-    message not yet suspect; then one of them alone) are charged only the claim they had
-    alone, are claimed one at a time in key order, and are all delivered."""
+    """Healthy messages whose publishers were killed three times (a batch of several and a
+    lone message; all of them again in one batch, which makes them suspect; then each alone)
+    are charged only the claim they had alone, are claimed one at a time in key order once
+    suspect, and are all delivered. One kill alone marks nothing."""
     with psycopg.connect(database_url) as conn:
         company = outbox.enqueue_many(
             conn,
@@ -178,8 +180,21 @@ def test_publishers_killed_with_healthy_messages_quarantine_none(
             database_url,
             "SELECT id, state, failures, send_alone, last_error FROM outbox.messages ORDER BY seq",
         )
+        # One recovery: no failure, and not suspect; claimed together again.
+        assert [r[:4] for r in rows] == [(m, "pending", 0, False) for m in [*company, lone]]
+        assert all(r[4].endswith("no failure is counted") for r in rows)
+        again = store.claim(10, lease_seconds=0.3)
+        assert again is not None
+        assert [m.id for m in again.messages] == [*company, lone]
+
+        # Second death in a row: suspect now, still no failure counted.
+        _expire_and_recover(database_url, store, 4)
+        rows = fetch_rows(
+            database_url,
+            "SELECT id, state, failures, send_alone, last_error FROM outbox.messages ORDER BY seq",
+        )
         assert [r[:4] for r in rows] == [(m, "pending", 0, True) for m in [*company, lone]]
-        assert all("no failure is counted" in r[4] for r in rows)
+        assert all("twice in a row" in r[4] for r in rows)
 
         # Suspects are claimed alone, oldest first; the key's second waits behind its first.
         claims = [store.claim(10, lease_seconds=0.3) for _ in range(4)]
@@ -189,7 +204,7 @@ def test_publishers_killed_with_healthy_messages_quarantine_none(
             [lone],
             None,
         ]
-        # Second death, each alone: one failure each, and only for those.
+        # Third death, each alone: one failure each, and only for those.
         _expire_and_recover(database_url, store, 3)
     finally:
         store.close()
