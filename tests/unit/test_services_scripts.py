@@ -264,9 +264,13 @@ def test_make_services_passes_the_broker_count_through() -> None:
         pytest.skip("make is not installed")
 
     def recipe(*args: str) -> str:
+        # As a top-level make would run it: under `make test`, the inherited
+        # MAKEFLAGS and MAKELEVEL make it print the directories it enters.
+        env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS"}}
         done = subprocess.run(
-            [make, "-n", "services", *args],
+            [make, "--no-print-directory", "-n", "services", *args],
             cwd=ROOT,
+            env=env,
             capture_output=True,
             text=True,
             check=True,
