@@ -616,8 +616,8 @@ SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED
 LISTEN outbox_pending
 
 -- name: announce_sleep
--- A publisher about to sleep holds outbox.wakeup in SHARE mode for the whole
--- sleep (its transaction ends with the sleep): from then on each enqueuing
+-- A publisher about to sleep holds outbox.wakeup in SHARE mode until a claim
+-- finds work (or for about a poll interval): from then on each enqueuing
 -- transaction fails to take it in ROW EXCLUSIVE mode as it commits and sends
 -- NOTIFY (the trigger of outbox.messages). The lock waits for the writers that
 -- took it before, committing without a notification: once granted, their

@@ -7,8 +7,9 @@ cluster-wide lock from its pre-commit until its commit record is flushed),
 and a busy publisher needs no notification. ``Waker`` listens on a
 connection of its own, in a background thread, and sets an event the
 publisher loop waits on; and, on a second connection, it announces that its
-publisher sleeps, before each sleep, by holding ``outbox.wakeup`` in SHARE
-mode until the sleep ends (``announce_sleep`` in outbox/queries.sql).
+publisher sleeps, before it sleeps, by holding ``outbox.wakeup`` in SHARE
+mode until a claim finds work again (``announce_sleep`` in
+outbox/queries.sql).
 
 The announcement waits for the writers that are committing without a
 notification, so the loop claims once more after it (``fall_asleep``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -78,6 +80,8 @@ class Waker(BackgroundService):
         self._announcer: psycopg.Connection[Any] | None = None
         #: Whether this publisher is announced asleep (its announcer holds outbox.wakeup).
         self.announced = False
+        #: When the announcement was made (``time.monotonic()``).
+        self._announced_at = 0.0
         #: The last reason the announcement failed, logged once until it succeeds again.
         self._refused: str | None = None
 
@@ -129,6 +133,7 @@ class Waker(BackgroundService):
             )
             return False
         self.announced = True
+        self._announced_at = time.monotonic()
         if self._refused is not None:
             log.info("announcing sleep again: commits wake this publisher")
             self._refused = None
@@ -137,15 +142,21 @@ class Waker(BackgroundService):
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a wake-up; clear it and say whether one came.
 
-        The sleep's announcement ends with the wait, however it ended.
+        A wake-up leaves the sleep announced, so that the claim it leads to
+        comes at once; the loop ends the announcement if that claim finds work
+        (``awake``). A wait that runs out ends it, and so does any wait once
+        the announcement is older than ``timeout``: each announcement's
+        transaction lasts about one poll interval at most, then the next sleep
+        announces anew.
         """
         woke = self._event.wait(timeout)
         self._event.clear()
-        self.awake()
+        if not woke or time.monotonic() - self._announced_at >= timeout:
+            self.awake()
         return woke
 
     def awake(self) -> None:
-        """The publisher is awake (busy, or about to claim): end its sleep's announcement."""
+        """The publisher is busy (a claim found work): end its sleep's announcement."""
         if self.announced:
             self.announced = False
             self._end_transaction()

@@ -10,16 +10,17 @@
 -- busy one claims again as soon as its batch is done.
 --
 -- So a publisher announces its sleep by holding outbox.wakeup in SHARE mode
--- (in a transaction of its own, for one sleep), and an enqueuing transaction,
--- once, as it commits, tries to take outbox.wakeup in ROW EXCLUSIVE mode
--- without waiting: the two conflict, and writers do not conflict with one
--- another, nor sleepers. If a publisher sleeps (or is about to), the try fails
--- and the transaction notifies as before. If not, the writer holds its lock
--- until its commit is visible: a publisher announcing its sleep meanwhile
--- waits for that, then claims once more before it sleeps, and finds that
--- writer's messages. Nothing committed goes unnoticed, and a busy system
--- sends no notification at all. A lock, not a row: it is neither written nor
--- read under a snapshot, so it works for writers at every isolation level.
+-- (in a transaction of its own, until it has work again), and an enqueuing
+-- transaction, once, as it commits, tries to take outbox.wakeup in ROW
+-- EXCLUSIVE mode without waiting: the two conflict, and writers do not
+-- conflict with one another, nor sleepers. If a publisher sleeps (or is
+-- about to), the try fails and the transaction notifies as before. If not,
+-- the writer holds its lock until its commit is visible: a publisher
+-- announcing its sleep meanwhile waits for that, then claims once more
+-- before it sleeps, and finds that writer's messages. Nothing committed goes
+-- unnoticed, and a busy system sends no notification at all. A lock, not a
+-- row: it is neither written nor read under a snapshot, so it works for
+-- writers at every isolation level.
 --
 -- The trigger becomes a deferred constraint trigger so that the try comes at
 -- commit (a constraint trigger fires per row; the first row decides for the

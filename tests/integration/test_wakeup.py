@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -123,15 +124,30 @@ def test_commits_notify_only_while_a_publisher_sleeps(
     assert notifications.since_last() == 0
 
 
-def test_the_wait_ends_the_announcement(database_url: str, waker: Waker) -> None:
-    """However a sleep ends (woken or timed out), the publisher is no longer announced."""
+def test_a_sleep_stays_announced_through_a_wake_up_until_work_or_its_time_is_up(
+    database_url: str, waker: Waker
+) -> None:
+    """Woken, the publisher stays announced (its claim comes at once, no lock to give up
+    first); a claim that found work ends the announcement, and so does a wait that runs
+    out, or any wait once the announcement is older than the wait's timeout."""
     assert waker.fall_asleep()
     waker.wake()
     assert waker.wait(5) is True
+    assert waker.announced
+    assert _sleeping(database_url) == 1
+    waker.awake()  # the claim found work
     assert not waker.announced
     assert _sleeping(database_url) == 0
+
     assert waker.fall_asleep()
     assert waker.wait(0.01) is False
+    assert not waker.announced
+    assert _sleeping(database_url) == 0
+
+    assert waker.fall_asleep()
+    waker.wake()
+    assert waker.wait(0) is True  # woken, but the announcement is older than 0 s
+    assert not waker.announced
     assert _sleeping(database_url) == 0
 
 
@@ -227,21 +243,32 @@ def test_a_schema_without_outbox_wakeup_leaves_the_publisher_to_notifications(
         waker.stop()
 
 
-@pytest.fixture
-def running_publisher(database_url: str, kafka_bootstrap: str) -> Iterator[Publisher]:
-    """A real publisher in a thread, polling only every minute."""
+@contextmanager
+def _publisher_running(
+    database_url: str, kafka_bootstrap: str, poll_interval: float = LONG_POLL
+) -> Iterator[Publisher]:
+    """A real publisher in a thread, listening, stopped afterwards."""
     publisher = build_publisher(
         publisher_config(
-            database_url, kafka_bootstrap, exit_when_idle=False, poll_interval=LONG_POLL
+            database_url, kafka_bootstrap, exit_when_idle=False, poll_interval=poll_interval
         )
     )
     thread = threading.Thread(target=publisher.run, daemon=True)
     thread.start()
-    wait_until(publisher.waker.listening.is_set, timeout=10, what="the listener")
-    yield publisher
-    publisher.request_stop()
-    thread.join(timeout=30)
+    try:
+        wait_until(publisher.waker.listening.is_set, timeout=10, what="the listener")
+        yield publisher
+    finally:
+        publisher.request_stop()
+        thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+@pytest.fixture
+def running_publisher(database_url: str, kafka_bootstrap: str) -> Iterator[Publisher]:
+    """A real publisher in a thread, polling only every minute."""
+    with _publisher_running(database_url, kafka_bootstrap) as publisher:
+        yield publisher
 
 
 def _wait_delivered(database_url: str, count: int, timeout: float = 10) -> None:
@@ -348,33 +375,35 @@ def test_a_busy_publisher_is_not_notified(
 
 
 def test_a_publisher_that_falls_asleep_during_a_commit_without_notification_delivers_it(
-    database_url: str, topic: str, running_publisher: Publisher, notifications: Notifications
+    database_url: str, kafka_bootstrap: str, topic: str, notifications: Notifications
 ) -> None:
-    """The race with the real loop: a writer decides while no publisher sleeps not to
-    notify; the publisher then wakes, finds nothing (the writer has not committed) and goes
-    back to sleep; the writer commits. Its message is delivered within seconds, long before
-    the minute's poll, with no notification: the announcement waited for that commit and
-    the loop claimed once more after it."""
-    wait_until(lambda: _sleeping(database_url) == 1, timeout=10, what="an announced sleep")
-    # Nobody sleeps as far as writers can tell: the announcing session is gone.
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND application_name = %s",
-            (ANNOUNCER,),
-        )
-    wait_until(lambda: _sleeping(database_url) == 0, timeout=10, what="the announcement gone")
-    with psycopg.connect(database_url) as writer:
-        writer.execute("SET CONSTRAINTS outbox.messages_notify_pending IMMEDIATE")
-        outbox.enqueue(writer, topic, b"decided while nobody slept")
-        running_publisher.waker.wake()  # it claims (nothing yet) and falls asleep again
-        wait_until(
-            lambda: _announcement_waiting(database_url),
-            timeout=10,
-            what="the publisher falling asleep, its announcement held up by the writer",
-        )
-        writer.commit()
-    committed = time.monotonic()
-    _wait_delivered(database_url, 1)
-    assert time.monotonic() - committed < 5.0
+    """The race with the real loop: a writer decides, while no publisher is announced
+    asleep, not to notify; the publisher's sleep then runs out, it finds nothing (the writer
+    has not committed) and falls asleep again; the writer commits. Its message is delivered
+    at once, not a poll interval later, with no notification: the announcement waited for
+    that commit and the loop claimed once more after it."""
+    poll = 3.0
+    with _publisher_running(database_url, kafka_bootstrap, poll_interval=poll):
+        wait_until(lambda: _sleeping(database_url) == 1, timeout=10, what="an announced sleep")
+        # The announcing session ends (as idle_in_transaction_session_timeout would end
+        # it): until this sleep runs out, writers see nobody asleep.
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = %s",
+                (ANNOUNCER,),
+            )
+        wait_until(lambda: _sleeping(database_url) == 0, timeout=10, what="no announcement")
+        with psycopg.connect(database_url) as writer:
+            writer.execute("SET CONSTRAINTS outbox.messages_notify_pending IMMEDIATE")
+            outbox.enqueue(writer, topic, b"decided while nobody slept")
+            wait_until(
+                lambda: _announcement_waiting(database_url),
+                timeout=poll + 10,
+                what="the publisher falling asleep again, its announcement held up by the writer",
+            )
+            writer.commit()
+        committed = time.monotonic()
+        _wait_delivered(database_url, 1)
+        assert time.monotonic() - committed < poll / 2
     assert notifications.since_last() == 0

@@ -1133,3 +1133,45 @@ def test_the_loop_backs_off_after_outages_and_resets_once_something_is_delivered
     publisher.run_once()
     assert publisher._outages == 0
     assert [s.state for s in store.settled[-1]] == [State.DELIVERED]
+
+
+class RecordingWaker(Waker):
+    """A waker that records the loop's announcements and waits; a wait stops the loop."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__(None)
+        self.events = events
+        self.on_wait: Callable[[], None] = lambda: None
+
+    def fall_asleep(self) -> bool:
+        """Announced at the first call, already announced at the next."""
+        self.events.append("fall_asleep")
+        newly, self.announced = not self.announced, True
+        return newly
+
+    def awake(self) -> None:
+        """Record the end of the announcement."""
+        self.events.append("awake")
+        self.announced = False
+
+    def wait(self, timeout: float) -> bool:
+        """Record the wait and end the run."""
+        self.events.append("wait")
+        self.on_wait()
+        return False
+
+
+def test_the_loop_claims_once_more_after_announcing_its_sleep_and_ends_it_when_busy() -> None:
+    """A claim that found work ends the sleep's announcement; one that found nothing
+    announces it, then claims once more before waiting (a commit that did not notify is
+    visible by then), and waits only when announced already."""
+    events: list[str] = []
+    store = FakeStore(events, [_batch(_message())])
+    waker = RecordingWaker(events)
+    publisher = Publisher(CONFIG, store, FakeSink(events), waker, clock=lambda: 1_000.0)
+    waker.on_wait = publisher.request_stop
+
+    publisher.run()
+
+    loop = [e for e in events if e in ("claim", "fall_asleep", "awake", "wait")]
+    assert loop == ["claim", "awake", "claim", "fall_asleep", "claim", "fall_asleep", "wait"]
