@@ -58,9 +58,14 @@ def _enqueue(url: str, topic: str, key: str, value: bytes = b"v") -> uuid.UUID:
 def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
     small = small_topic(kafka_bootstrap)
     delivered = [_enqueue(database_url, topic, f"d{i}") for i in range(5)]
+    totals = publish_until_idle(database_url, kafka_bootstrap)
+    assert (totals.delivered, totals.quarantined) == (5, 0)
+    # Sent on its own: a refusal that kafka-python reports for a batch with
+    # records of other partitions in flight is not pinned on any one of them
+    # (docs/design.md), and the story below is of a message refused alone.
     quarantined = _enqueue(database_url, small, "big", b"x" * 5000)
     totals = publish_until_idle(database_url, kafka_bootstrap)
-    assert (totals.delivered, totals.quarantined) == (5, 1)
+    assert (totals.delivered, totals.quarantined) == (0, 1)
     held = _enqueue(database_url, small, "big", b"small")  # behind the refused record
 
     uncertain = _enqueue(database_url, topic, "u")
