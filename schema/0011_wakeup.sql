@@ -38,6 +38,9 @@
 -- Holds nothing (and nothing can be inserted into it): only its lock is used.
 CREATE VIEW outbox.wakeup AS SELECT WHERE false;
 
+-- Fired per row at commit; the first row decides for the transaction (the
+-- setting lasts until the transaction ends, and is undone with a rolled back
+-- savepoint, as the lock is).
 CREATE OR REPLACE FUNCTION outbox.notify_pending() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
