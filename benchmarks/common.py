@@ -312,6 +312,48 @@ def partition_leaders(bootstrap: str, topic: str) -> list[dict[str, Any]]:
     )
 
 
+class RetryingEnqueuer:
+    """A load generator's enqueues: each in a transaction of its own, on a
+    connection of its own; after a lost connection (a PostgreSQL restart)
+    the same messages again on a new one, once a second, ``attempts`` times.
+
+    The retry is safe only because the messages carry idempotency keys: a
+    transaction whose commit was acknowledged on a connection that then
+    broke is written once either way.
+    """
+
+    def __init__(self, url: str, *, attempts: int, application_name: str = "") -> None:
+        self.url, self.attempts, self.application_name = url, attempts, application_name
+        self.conn: psycopg.Connection[Any] | None = None
+        #: Connections replaced after an error.
+        self.reconnections = 0
+
+    def enqueue(self, messages: list[outbox.Message]) -> list[uuid.UUID]:
+        """``outbox.enqueue_many`` in one transaction; again on a new connection if it broke."""
+        if any(m.idempotency_key is None for m in messages):
+            raise ValueError("a retried enqueue needs an idempotency key on every message")
+        for attempt in range(self.attempts):
+            try:
+                if self.conn is None or self.conn.closed:
+                    self.conn = psycopg.connect(
+                        self.url, autocommit=True, application_name=self.application_name
+                    )
+                with self.conn.transaction():
+                    return outbox.enqueue_many(self.conn, messages)
+            except psycopg.OperationalError:
+                if attempt == self.attempts - 1:
+                    raise
+                self.reconnections += 1
+                self.close()
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Close the connection, if one is open."""
+        if self.conn is not None:
+            self.conn.close()
+
+
 def patiently(action: Callable[[], T], timeout: float = 180.0) -> T:
     """``action()``, tried again while the database or Kafka cannot be reached (restarts)."""
     deadline = time.monotonic() + timeout

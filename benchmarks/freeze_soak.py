@@ -56,6 +56,7 @@ from typing import Any
 
 import psycopg
 from common import (
+    RetryingEnqueuer,
     config_of,
     create_database,
     delete_topic,
@@ -244,8 +245,7 @@ class Writer(threading.Thread):
         self.largest_burst = max(count // max(freezes, 1), 20)
         self.ids: list[uuid.UUID] = []
         self.transactions = 0
-        self.reconnections = 0
-        self.conn: psycopg.Connection[Any] | None = None
+        self.enqueuer = RetryingEnqueuer(url, attempts=60)
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -260,14 +260,13 @@ class Writer(threading.Thread):
                 end = len(self.ids) + min(burst, self.count - len(self.ids))
                 while len(self.ids) < end:
                     size = min(self.rng.randint(1, 20), end - len(self.ids))
-                    self.ids.extend(self.enqueue(self.messages(len(self.ids), size)))
+                    self.ids.extend(self.enqueuer.enqueue(self.messages(len(self.ids), size)))
                     self.transactions += 1
                 burst = self.burst()
         except BaseException as exc:  # noqa: BLE001 - reported by the run, which then fails
             self.error = exc
         finally:
-            if self.conn is not None:
-                self.conn.close()
+            self.enqueuer.close()
 
     def burst(self) -> int:
         """The size of the next burst."""
@@ -286,23 +285,6 @@ class Writer(threading.Thread):
             )
             for n in range(first, first + size)
         ]
-
-    def enqueue(self, messages: list[outbox.Message]) -> list[uuid.UUID]:
-        """Enqueue in one transaction; again on a new connection if the database went away."""
-        for attempt in range(60):
-            try:
-                if self.conn is None or self.conn.closed:
-                    self.conn = psycopg.connect(self.url, autocommit=True)
-                with self.conn.transaction():
-                    return outbox.enqueue_many(self.conn, messages)
-            except psycopg.OperationalError:
-                if attempt == 59:
-                    raise
-                self.reconnections += 1
-                if self.conn is not None:
-                    self.conn.close()
-                time.sleep(1.0)
-        raise AssertionError("unreachable")
 
 
 # --- one run -----------------------------------------------------------------------
@@ -644,7 +626,7 @@ class Run:
             "lease_seconds": self.timing.lease,
             "write_deadline_seconds": self.timing.write_deadline,
             "transactions_enqueued": sum(w.transactions for w in writers),
-            "writer_reconnections": sum(w.reconnections for w in writers),
+            "writer_reconnections": sum(w.enqueuer.reconnections for w in writers),
             "writer_errors": errors,
             "seconds_writing": written,
             "seconds_draining": drained,

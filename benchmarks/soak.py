@@ -78,6 +78,7 @@ from urllib.parse import urlsplit
 import psycopg
 from common import (
     RESULTS_DIR,
+    RetryingEnqueuer,
     config_of,
     create_database,
     create_replicated_topic,
@@ -344,7 +345,8 @@ class Writer(threading.Thread):
     counts the key's messages (each key has one writer, so its commit order
     is the key's order), ``n`` the writer's. Its idempotency key is
     ``w<writer>:<n>``; a transaction lost with the connection is sent again
-    with the same keys, so it is written once whether or not it committed.
+    with the same keys (``common.RetryingEnqueuer``), so it is written once
+    whether or not it committed.
     Now and then (``repeat_share`` of the transactions) a message of the last
     few seconds is enqueued again with its idempotency key: the outbox must
     return its first id and write nothing.
@@ -367,7 +369,6 @@ class Writer(threading.Thread):
         self.counters: dict[str, int] = {}
         self.messages = 0
         self.transactions = 0
-        self.reconnections = 0
         self.repeats = 0
         self.repeats_given_new_ids = 0
         #: Seconds the pacing was behind the schedule at its worst.
@@ -375,7 +376,8 @@ class Writer(threading.Thread):
         self.began = 0.0
         self.ended = 0.0
         self.recent: deque[tuple[outbox.Message, uuid.UUID, float]] = deque(maxlen=500)
-        self.conn: psycopg.Connection[Any] | None = None
+        #: Three minutes of retries: longer than a PostgreSQL restart takes.
+        self.enqueuer = RetryingEnqueuer(url, attempts=180, application_name=f"soak {self.name}")
         self.error: BaseException | None = None
         self.pad = "x" * 80
 
@@ -399,8 +401,7 @@ class Writer(threading.Thread):
             self.error = exc
         finally:
             self.ended = time.monotonic()
-            if self.conn is not None:
-                self.conn.close()
+            self.enqueuer.close()
 
     def write_one_transaction(self) -> None:
         """Build the next transaction's messages, enqueue them, then count them."""
@@ -426,7 +427,7 @@ class Writer(threading.Thread):
             candidates = [r for r in self.recent if time.monotonic() - r[2] > 1.0]
             if candidates:
                 repeat = self.rng.choice(candidates)
-        ids = self.enqueue(fresh + ([repeat[0]] if repeat else []))
+        ids = self.enqueuer.enqueue(fresh + ([repeat[0]] if repeat else []))
         now = time.monotonic()
         if repeat is not None:
             self.repeats += 1
@@ -437,25 +438,6 @@ class Writer(threading.Thread):
         self.transactions += 1
         self.progress[self.plan.index] = self.messages
 
-    def enqueue(self, messages: list[outbox.Message]) -> list[uuid.UUID]:
-        """Enqueue in one transaction; again on a new connection if the database went away."""
-        for attempt in range(180):
-            try:
-                if self.conn is None or self.conn.closed:
-                    self.conn = psycopg.connect(
-                        self.url, autocommit=True, application_name=f"soak {self.name}"
-                    )
-                with self.conn.transaction():
-                    return outbox.enqueue_many(self.conn, messages)
-            except psycopg.OperationalError:
-                if attempt == 179:
-                    raise
-                self.reconnections += 1
-                if self.conn is not None:
-                    self.conn.close()
-                time.sleep(1.0)
-        raise AssertionError("unreachable")
-
     def report(self) -> WriterReport:
         """What the soak's process needs of this writer once it stopped."""
         return WriterReport(
@@ -463,7 +445,7 @@ class Writer(threading.Thread):
             counters=self.counters,
             messages=self.messages,
             transactions=self.transactions,
-            reconnections=self.reconnections,
+            reconnections=self.enqueuer.reconnections,
             repeats=self.repeats,
             repeats_given_new_ids=self.repeats_given_new_ids,
             most_behind=self.most_behind,
@@ -1173,10 +1155,12 @@ class Soak:
         """Produce ``--warm-up`` seconds of the run's rate to a topic of the same
         shape, then delete it, so that the run does not measure the brokers' warm-up.
 
-        Freshly started brokers (``make soak`` starts them) spend their first
-        minute compiling their hot paths: in a three-minute run on brokers
-        just started, the lag p99 stayed between 1 and 2 s for the first
-        30 s, and under 1 s throughout in the same run on warm brokers.
+        Freshly started brokers (``make soak`` starts them) compile their hot
+        paths in their first minute or so. The slow first minute of the early
+        runs turned out to be autovacuum's first visit to the new database
+        (docs/operations.md, "PostgreSQL settings"), not the brokers: this
+        warm-up is kept so that the brokers' start cannot count either, but
+        its own effect has not been measured apart.
         """
         seconds = self.args.warm_up
         if seconds <= 0:

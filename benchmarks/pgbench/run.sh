@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The server's share of an enqueue, without Python: pgbench (C, prepared
+# statements) runs five transactions in a scratch database, interleaved
+# over two rounds, at 1 and 16 clients, 10 s each:
+#   order.sql            an order row alone (the business transaction)
+#   two_orders.sql       the order and a second order row (any second insert)
+#   order_key_lock.sql   the order and the enqueue's per-key advisory lock
+#   order_outbox_row.sql the order and a plain INSERT of one outbox.messages row
+#   order_enqueue.sql    the order and the enqueue's own statement
+#                        (outbox/queries.sql, insert_messages)
+# and the outbox row once more with the wake-up trigger disabled.
+# Run from the repository after `. ./.services.env`; prints transactions a
+# second. Message ids here are random UUIDs, where the library's are UUIDv7.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+: "${OUTBOX_DATABASE_URL:?source .services.env first}"
+pgbench=$(ls -d /usr/lib/postgresql/*/bin/pgbench 2>/dev/null | sort -V | tail -1)
+[[ -x $pgbench ]] || { echo "no pgbench under /usr/lib/postgresql/*/bin" >&2; exit 2; }
+db=outbox_pgbench_$$
+base=${OUTBOX_DATABASE_URL%/*}
+psql "$OUTBOX_DATABASE_URL" -qc "CREATE DATABASE $db"
+trap 'psql "$OUTBOX_DATABASE_URL" -qc "DROP DATABASE IF EXISTS $db WITH (FORCE)"' EXIT
+url=$base/$db
+"$here/../../.venv/bin/outbox" --database-url "$url" migrate >/dev/null
+psql "$url" -qc "CREATE TABLE bench_orders (id bigserial PRIMARY KEY, customer int NOT NULL,
+    total numeric NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"
+point() { # clients script [label]
+    psql "$url" -qc "TRUNCATE bench_orders, outbox.messages"
+    local tps
+    tps=$("$pgbench" -n -M prepared -c "$1" -j 2 -T 10 -f "$here/$2.sql" "$url" 2>/dev/null |
+        grep -o 'tps = [0-9.]*' | head -1)
+    printf '%-3s clients  %-34s %s\n' "$1" "${3:-$2}" "$tps"
+}
+for round in 1 2; do
+    echo "round $round"
+    for clients in 1 16; do
+        for s in order two_orders order_key_lock order_outbox_row order_enqueue; do
+            point "$clients" "$s"
+        done
+        psql "$url" -qc "ALTER TABLE outbox.messages DISABLE TRIGGER messages_notify_pending"
+        point "$clients" order_outbox_row "order_outbox_row, trigger disabled"
+        psql "$url" -qc "ALTER TABLE outbox.messages ENABLE TRIGGER messages_notify_pending"
+    done
+done
