@@ -937,6 +937,36 @@ class Soak:
                     )
                     break
             time.sleep(1.0)
+        threading.Thread(
+            target=self.watch_leadership,
+            args=(fault, node, started),
+            name="leadership",
+            daemon=True,
+        ).start()
+
+    def watch_leadership(self, fault: Fault, node: int, started: float) -> None:
+        """Note when the restarted broker leads its partitions again.
+
+        Kafka moves leadership back to a partition's preferred replica on its
+        own (``auto.leader.rebalance.enable``, checked every 300 s by
+        default); producers then meet ``NotLeaderForPartition`` and refresh
+        their metadata. That happens after the fault's window may have closed,
+        so its moment is recorded (``leadership_back_seconds`` after the
+        restart) to be read beside the lag.
+        """
+        led = set(fault.detail["led"])
+        while not self.sampling.is_set() and time.monotonic() - started < 900:
+            with contextlib.suppress(Exception):
+                now = partition_leaders(self.bootstrap, self.topic)
+                if now and all(p["leader"] == node for p in now if p["partition"] in led):
+                    fault.detail["leadership_back_seconds"] = round(time.monotonic() - started, 1)
+                    fault.detail["leadership_back_at"] = round(self.clock(), 1)
+                    self.say(
+                        f"broker {node} leads partitions {sorted(led)} again, "
+                        f"{fault.detail['leadership_back_seconds']} s after its restart"
+                    )
+                    return
+            time.sleep(2.0)
 
     def broker_outage(self, fault: Fault) -> None:
         """One broker: stop it, and start it again after ``--broker-down``."""
