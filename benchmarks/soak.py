@@ -1170,14 +1170,15 @@ class Soak:
         """A fresh database and a fresh topic (replication factor 3 on three brokers)."""
         self.url = create_database(self.base_url, self.database)
         migrate(self.url)
+        self.create_topic(self.topic)
+
+    def create_topic(self, name: str) -> None:
+        """A topic of the run's shape: ``--partitions``, and on three brokers RF 3 with
+        ``min.insync.replicas=2``."""
         configs = {"min.insync.replicas": "2"} if self.replication == 3 else {}
         patiently(
             lambda: create_replicated_topic(
-                self.bootstrap,
-                self.topic,
-                self.args.partitions,
-                self.replication,
-                configs=configs,
+                self.bootstrap, name, self.args.partitions, self.replication, configs=configs
             )
         )
 
@@ -1186,22 +1187,16 @@ class Soak:
         shape, then delete it, so that the run does not measure the brokers' warm-up.
 
         Freshly started brokers (``make soak`` starts them) compile their hot
-        paths in their first minute or so. The slow first minute of the early
-        runs turned out to be autovacuum's first visit to the new database
-        (docs/operations.md, "PostgreSQL settings"), not the brokers: this
-        warm-up is kept so that the brokers' start cannot count either, but
-        its own effect has not been measured apart.
+        paths in their first minute or so. The runs of 2026-12-01 still had
+        a slow first 30-70 s with this warm-up (docs/performance.md, "Soak"),
+        so the brokers' start is not that cause; the warm-up is kept so that
+        it cannot count, but its own effect has not been measured apart.
         """
         seconds = self.args.warm_up
         if seconds <= 0:
             return None
         topic = f"{self.topic}-warm-up"
-        configs = {"min.insync.replicas": "2"} if self.replication == 3 else {}
-        patiently(
-            lambda: create_replicated_topic(
-                self.bootstrap, topic, self.args.partitions, self.replication, configs=configs
-            )
-        )
+        self.create_topic(topic)
         producer = KafkaProducer(
             bootstrap_servers=self.bootstrap,
             acks="all",
