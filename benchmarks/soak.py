@@ -309,6 +309,22 @@ class Services:
             )
         return round(time.monotonic() - began, 2)
 
+    def broker_java_opts(self) -> list[str]:
+        """The JVM options each broker runs with: ``java.opts`` beside the properties that
+        name its port (``services/kafka-node`` restarts a node with the same); "?" if none."""
+        found = []
+        every = sorted((ROOT / ".services").glob("kafka*/**/server.properties"))
+        for address in self.addresses:
+            port = address.rsplit(":", 1)[1]
+            opts = "?"
+            for props in every:
+                if f":{port}," in props.read_text().replace("\n", ","):
+                    with contextlib.suppress(OSError):
+                        opts = (props.parent / "java.opts").read_text().strip()
+                    break
+            found.append(opts)
+        return found
+
     def brokers_up(self) -> list[bool]:
         """Whether each broker's client port accepts a connection."""
         found = []
@@ -1116,6 +1132,7 @@ class Soak:
         args = self.args
         faults = plan_faults(self.seconds, args, cluster=self.services.cluster)
         plans = plan_writers(args)
+        self.java_opts = self.services.broker_java_opts()
         self.set_up()
         print(
             f"soak: {args.minutes:g} min at {args.rate:,.0f} msg/s from {args.writers} writers "
@@ -1123,7 +1140,8 @@ class Soak:
             f"{args.hot_keys} hot keys + {args.cold_keys:,} cold, {args.publishers} publishers "
             f"({args.delivery}, lease {args.lease_seconds:g} s, retention {args.retention}), "
             f"topic {self.topic} ({args.partitions} partitions, RF {self.replication}, "
-            f"{self.services.brokers} broker(s)), database {self.database}, logs {self.log_dir}",
+            f"{self.services.brokers} broker(s), JVM {' | '.join(sorted(set(self.java_opts)))}), "
+            f"database {self.database}, logs {self.log_dir}",
             flush=True,
         )
         for f in faults:
@@ -1186,11 +1204,11 @@ class Soak:
         """Produce ``--warm-up`` seconds of the run's rate to a topic of the same
         shape, then delete it, so that the run does not measure the brokers' warm-up.
 
-        Freshly started brokers (``make soak`` starts them) compile their hot
-        paths in their first minute or so. The runs of 2026-12-01 still had
-        a slow first 30-70 s with this warm-up (docs/performance.md, "Soak"),
-        so the brokers' start is not that cause; the warm-up is kept so that
-        it cannot count, but its own effect has not been measured apart.
+        Freshly started brokers load and compile their hot paths first. With
+        C2 (the JVM's default) that took a third of a core for about three
+        minutes on two cores, which 60 s of warm-up did not cover; ``make
+        soak`` therefore starts them with C1 only (docs/performance.md,
+        "Soak"), and this minute covers their class loading and C1.
         """
         seconds = self.args.warm_up
         if seconds <= 0:
@@ -1306,6 +1324,7 @@ class Soak:
             "log_dir": str(self.log_dir),
             "brokers": self.services.brokers,
             "replication_factor": self.replication,
+            "broker_java_opts": self.java_opts,
             "partitions": args.partitions,
             "delivery": args.delivery,
             "sink": args.sink,
