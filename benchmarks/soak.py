@@ -1564,6 +1564,20 @@ def histogram_percentile(histogram: dict[int, int], p: float) -> float | None:
     return float("inf")
 
 
+def share_over(histogram: dict[int, int], threshold_ms: float) -> float | None:
+    """The share of the messages in buckets reaching past ``threshold_ms`` (exact when the
+    threshold is a bucket's bound, as 1,000 ms is; otherwise it can only overstate)."""
+    total = sum(histogram.values())
+    if not total:
+        return None
+    over = sum(
+        n
+        for bucket, n in histogram.items()
+        if bucket >= len(LAG_BOUNDS_MS) or LAG_BOUNDS_MS[bucket] > threshold_ms
+    )
+    return round(over / total, 5)
+
+
 def outside(sample: dict[str, Any], windows: Sequence[tuple[float, float]]) -> bool:
     """Whether the deliveries a sample counts came outside every window."""
     a, b = sample["covers"]
@@ -1593,6 +1607,7 @@ def lag_figures(
             "p50_ms_at_most": histogram_percentile(merged, 50),
             "p99_ms_at_most": histogram_percentile(merged, 99),
             "p999_ms_at_most": histogram_percentile(merged, 99.9),
+            "share_over_threshold": share_over(merged, args.lag_threshold_ms),
             "max_ms": max((s["lag_ms"]["max"] for s in chosen if s["delivered"]), default=None),
             "samples_with_p99_over_threshold": len(over),
             "worst_samples": [
@@ -1834,6 +1849,11 @@ def summarise(result: dict[str, Any]) -> None:
             + (
                 f", {lag['samples_with_p99_over_threshold']} samples with p99 over the threshold"
                 if "samples" in lag
+                else ""
+            )
+            + (
+                f", {100 * lag['share_over_threshold']:.2f} % of the messages over it"
+                if lag.get("share_over_threshold") is not None
                 else ""
             )
         )
