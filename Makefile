@@ -80,14 +80,8 @@ soak-freeze: venv services
 # Not a test: half an hour (--minutes), and it kills and restarts the services
 # this checkout's services/up started, three brokers unless KAFKA_BROKERS says
 # otherwise: run it on an instance of its own (docs/development.md, "Soak").
-# The soak's brokers compile with C1 only: on two cores, C2 compiling in three
-# freshly started (or restarted) brokers took a third of a core for minutes
-# and was the soak's slow start (docs/performance.md, "Soak").
-# OUTBOX_KAFKA_JAVA_OPTS overrides it; brokers already running keep theirs.
-SOAK_KAFKA_JAVA_OPTS := -Xms256m -Xmx512m -XX:TieredStopAtLevel=1
 soak: venv
-	OUTBOX_KAFKA_BROKERS=$(or $(KAFKA_BROKERS),3) \
-	OUTBOX_KAFKA_JAVA_OPTS="$(or $(OUTBOX_KAFKA_JAVA_OPTS),$(SOAK_KAFKA_JAVA_OPTS))" services/up
+	OUTBOX_KAFKA_BROKERS=$(or $(KAFKA_BROKERS),3) services/up
 	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 clean:

@@ -312,6 +312,15 @@ def partition_leaders(bootstrap: str, topic: str) -> list[dict[str, Any]]:
     )
 
 
+def elect_preferred_leaders(bootstrap: str, topic: str) -> None:
+    """Move the leadership of every partition of ``topic`` to its preferred replica."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-bench")
+    try:
+        admin.elect_leaders(0, [topic])  # 0: preferred (1 would be unclean)
+    finally:
+        admin.close()
+
+
 class RetryingEnqueuer:
     """A load generator's enqueues: each in a transaction of its own, on a
     connection of its own; after a lost connection (a PostgreSQL restart)
@@ -491,6 +500,23 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     # After the command name: state is field 3, utime 14 and stime 15 (1-based).
     return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def jit_compiler_seconds(pid: int) -> float:
+    """CPU seconds a JVM's JIT compiler threads (``C1``/``C2 CompilerThread``) used so far;
+    0 for a process that is gone or has none."""
+    total = 0.0
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            if "CompilerThre" in name:
+                fields = stat.rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
 
 
 def children_of(parent: int) -> list[int]:
