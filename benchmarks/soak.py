@@ -272,21 +272,19 @@ class Services:
     def kafka_ports(self) -> dict[str, str]:
         """The controller and SASL ports node 1 was started with, from its properties."""
         ports: dict[str, str] = {}
-        for props in sorted((ROOT / ".services").glob("kafka*/**/server.properties")):
-            text = props.read_text()
-            if f":{self.addresses[0].rsplit(':', 1)[1]}," not in text.replace("\n", ","):
-                continue
-            for line in text.splitlines():
-                if line.startswith("listeners="):
-                    for listener in line.removeprefix("listeners=").split(","):
-                        name, _, address = listener.partition("://")
-                        port = address.rsplit(":", 1)[-1]
-                        if name == "CONTROLLER":
-                            ports["OUTBOX_KAFKA_CONTROLLER_PORT"] = port
-                        elif name == "SASL_SSL":
-                            ports["OUTBOX_KAFKA_SASL_PORT"] = port
-            ports.setdefault("OUTBOX_KAFKA_SASL_PORT", "0")
-            break
+        node = self.node_dirs()[0]
+        if node is None:
+            return ports
+        for line in (node / "server.properties").read_text().splitlines():
+            if line.startswith("listeners="):
+                for listener in line.removeprefix("listeners=").split(","):
+                    name, _, address = listener.partition("://")
+                    port = address.rsplit(":", 1)[-1]
+                    if name == "CONTROLLER":
+                        ports["OUTBOX_KAFKA_CONTROLLER_PORT"] = port
+                    elif name == "SASL_SSL":
+                        ports["OUTBOX_KAFKA_SASL_PORT"] = port
+        ports.setdefault("OUTBOX_KAFKA_SASL_PORT", "0")
         return ports
 
     def run(self, *command: str, timeout: float = 180.0) -> float:
