@@ -492,14 +492,19 @@ def rss_bytes(pid: int) -> int | None:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from the text of a ``/proc/.../stat`` file."""
+    fields = stat.rsplit(")", 1)[1].split()
+    # After the command name: state is field 3, utime 14 and stime 15 (1-based).
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of one process so far (``None`` once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
-    # After the command name: state is field 3, utime 14 and stime 15 (1-based).
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def jit_compiler_seconds(pid: int) -> float:
@@ -512,10 +517,8 @@ def jit_compiler_seconds(pid: int) -> float:
                 stat = (task / "stat").read_text()
             except OSError:
                 continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            if "CompilerThre" in name:
-                fields = stat.rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / _TICK
+            if "CompilerThre" in stat[stat.index("(") + 1 : stat.rindex(")")]:
+                total += _stat_cpu_seconds(stat)
     return total
 
 
