@@ -10,6 +10,7 @@ others skip their turn. It stops between two steps when the publisher stops.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -47,6 +48,7 @@ class RetentionRunner(BackgroundService):
 
     def run_once(self) -> PurgeReport | None:
         """One purge now; None when another purge was running or the database failed."""
+        began = time.monotonic()
         try:
             with connect(self._conninfo) as conn:
                 report = purge(
@@ -65,12 +67,13 @@ class RetentionRunner(BackgroundService):
         if report.messages or report.attempts or report.decisions or report.batches:
             log.info(
                 "retention: deleted %d delivered messages, %d attempts, %d decisions, "
-                "%d batches in %d transactions",
+                "%d batches in %d transactions, %.1f s",
                 report.messages,
                 report.attempts,
                 report.decisions,
                 report.batches,
                 report.steps,
+                time.monotonic() - began,
             )
         if self._on_report is not None:
             self._on_report(report)
