@@ -312,11 +312,30 @@ def partition_leaders(bootstrap: str, topic: str) -> list[dict[str, Any]]:
     )
 
 
-def elect_preferred_leaders(bootstrap: str, topic: str) -> None:
-    """Move the leadership of every partition of ``topic`` to its preferred replica."""
+def topic_partitions(bootstrap: str) -> dict[str, int]:
+    """Every topic of the cluster (Kafka's internal ones too) and its number of partitions."""
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-bench")
     try:
-        admin.elect_leaders(0, [topic])  # 0: preferred (1 would be unclean)
+        return {t["topic"]: len(t.get("partitions") or []) for t in admin.describe_topics()}
+    finally:
+        admin.close()
+
+
+def elect_preferred_leaders(bootstrap: str) -> int:
+    """Move the leadership of every partition of the cluster to its preferred replica, as
+    ``kafka-leader-election.sh --election-type preferred --all-topic-partitions`` does;
+    return how many partitions were led by another replica before."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-bench")
+    try:
+        elsewhere = sum(
+            1
+            for topic in admin.describe_topics()
+            for p in topic.get("partitions") or []
+            if p["replica_nodes"] and p["leader_id"] != p["replica_nodes"][0]
+        )
+        if elsewhere:
+            admin.elect_leaders(0, None)  # 0: preferred (1: unclean); None: every partition
+        return elsewhere
     finally:
         admin.close()
 

@@ -96,6 +96,7 @@ from common import (
     registered,
     rss_bytes,
     stamp,
+    topic_partitions,
 )
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
@@ -713,6 +714,8 @@ KILL, BROKER_KILL, BROKER_OUTAGE, POSTGRES, FREEZE = (
     "postgres restart",
     "publisher freeze",
 )
+#: Not inflicted: the run's first seconds, judged as a fault's window is (see ``execute``).
+START = "start"
 
 
 def plan_faults(seconds: float, args: argparse.Namespace, *, cluster: bool) -> list[Fault]:
@@ -767,6 +770,10 @@ class Soak:
         self.sampling = threading.Event()
         self.writer_processes: WriterProcesses | None = None
         self.warmed_up: dict[str, Any] | None = None
+        #: Partitions whose leadership the election before the run moved (None: it failed).
+        self.leaders_moved: int | None = None
+        #: The cluster's other topics and their partitions, when the run began.
+        self.other_topics: dict[str, int] = {}
         #: Each writer's report, once the writers stopped.
         self.writers: list[WriterReport] = []
         self.deaths: list[dict[str, Any]] = []
@@ -987,11 +994,14 @@ class Soak:
         "Soak") 240 s after the restart, long after the fault's window had
         closed, with 5 s of lag over 1 s as producers met ``NotLeaderOrFollower``
         and refreshed their metadata. Electing here keeps that step in the
-        fault's window, where it belongs.
+        fault's window, where it belongs. Every partition of the cluster, not only
+        the run's: the controller's periodic election would otherwise still move
+        the others (other topics on these brokers) later, and a move of tens of
+        leaders at once shows in the run's lag too.
         """
         led = set(fault.detail["led"])
         with contextlib.suppress(Exception):
-            elect_preferred_leaders(self.bootstrap, self.topic)
+            elect_preferred_leaders(self.bootstrap)
         while time.monotonic() - started < 180:
             with contextlib.suppress(Exception):
                 now = partition_leaders(self.bootstrap, self.topic)
@@ -1168,6 +1178,8 @@ class Soak:
         for f in faults:
             print(f"  planned: {f.kind} at {f.planned_at:.0f} s", flush=True)
         self.warmed_up = self.warm_up()
+        self.leaders_moved = self.preferred_leaders()
+        self.other_topics = self.topics_beside()
         with psycopg.connect(self.url) as conn:
             row = conn.execute("SELECT now()").fetchone()
         assert row is not None
@@ -1179,6 +1191,15 @@ class Soak:
         writers = WriterProcesses(plans, self.url, self.topic, args.writer_processes)
         self.writer_processes = writers
         writers.start()
+        # The publishers and the writers start cold: new processes, the
+        # producers' first connections and metadata, fresh database sessions,
+        # a table with no statistics yet. That is a restart of everything at
+        # once, so it is judged as a fault is: its window lasts until the first
+        # sample with the lag back under the threshold, and at least
+        # --recovery-margin (Fault.window); that recovery must come within
+        # --recovery-limit; the lag is judged outside the window. Earlier runs
+        # had 0.2-0.4 % of all their messages over 1 s in their first 15 s.
+        start = Fault(START, 0.0, started_at=0.0, ended_at=round(self.clock(), 2))
         sampler = threading.Thread(target=self.sample_forever, name="sampler", daemon=True)
         sampler.start()
         try:
@@ -1203,7 +1224,7 @@ class Soak:
             sampler.join()
         self.say("publishers stopped; reading the topic back")
         committed, uncommitted = (self.read_view(committed=c) for c in (True, False))
-        return self.result(faults, written_at, drained, committed, uncommitted)
+        return self.result([start, *faults], written_at, drained, committed, uncommitted)
 
     def set_up(self) -> None:
         """A fresh database and a fresh topic (replication factor 3 on three brokers)."""
@@ -1220,6 +1241,48 @@ class Soak:
                 self.bootstrap, name, self.args.partitions, self.replication, configs=configs
             )
         )
+
+    def preferred_leaders(self) -> int | None:
+        """Every partition of the cluster led by its preferred replica before the run starts.
+
+        Brokers started one after another leave the first one leading the
+        partitions of every topic they already held, and the controller moves
+        them back on its own schedule (``leader.imbalance.check.interval.seconds``,
+        300 s): in a trial, 64 leaders at once 170 s into the run, and the run's
+        messages waited 2 s while producers found the new leaders. An operator's
+        cluster is balanced before the load of a day comes; so is the soak's.
+        """
+        try:
+            moved = elect_preferred_leaders(self.bootstrap)
+        except Exception as exc:  # noqa: BLE001 - the run goes on; the result says so
+            self.say(f"the preferred leader election before the run failed: {exc!r}")
+            return None
+        if moved:
+            self.say(f"moved the leadership of {moved} partitions back to their preferred replicas")
+        return moved
+
+    def topics_beside(self) -> dict[str, int]:
+        """The cluster's topics other than the run's (and Kafka's own), said aloud.
+
+        A failed run keeps its topic for inspection. Idle as they are, kept
+        topics are not free: their followers keep fetching from their leaders,
+        and the controller's periodic leader election moves them too. The
+        result records them, so that a run on a crowded cluster says so.
+        """
+        with contextlib.suppress(Exception):
+            others = {
+                t: n
+                for t, n in topic_partitions(self.bootstrap).items()
+                if t != self.topic and not t.startswith("__")
+            }
+            if others:
+                self.say(
+                    f"the cluster also holds {len(others)} other topics ({sum(others.values())} "
+                    "partitions), earlier runs' kept ones perhaps: their replication costs the "
+                    "brokers CPU that this run's lag will show; delete them for a clean run"
+                )
+            return others
+        return {}
 
     def warm_up(self) -> dict[str, Any] | None:
         """Produce the run's rate to a topic of the same shape until the brokers' JIT
@@ -1392,6 +1455,8 @@ class Soak:
             "absence_grace_seconds": self.config.absence_grace,
             "rate_asked": args.rate,
             "broker_warm_up": self.warmed_up,
+            "leaders_moved_before_run": self.leaders_moved,
+            "other_topics": self.other_topics,
             "recovery_margin": args.recovery_margin,
             "rate_achieved": round(messages / writer_seconds, 1),
             "messages": messages,
@@ -2041,6 +2106,7 @@ def plot(samples: Sequence[dict[str, Any]], result: dict[str, Any], path: Path) 
         POSTGRES: "tab:green",
         BROKER_KILL: "tab:red",
         BROKER_OUTAGE: "tab:red",
+        START: "tab:gray",
     }
     for f in result["faults"]:
         if f["started_at"] is None:
