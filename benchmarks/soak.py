@@ -1248,8 +1248,8 @@ class Soak:
         Brokers started one after another leave the first one leading the
         partitions of every topic they already held, and the controller moves
         them back on its own schedule (``leader.imbalance.check.interval.seconds``,
-        300 s): in a trial, 64 leaders at once 170 s into the run, and the run's
-        messages waited 2 s while producers found the new leaders. An operator's
+        300 s): in a trial, 64 leaders at once 170 s into the run, when the
+        run's lag reached 2 s for 10 s. An operator's
         cluster is balanced before the load of a day comes; so is the soak's.
         """
         try:
@@ -1278,8 +1278,9 @@ class Soak:
             if others:
                 self.say(
                     f"the cluster also holds {len(others)} other topics ({sum(others.values())} "
-                    "partitions), earlier runs' kept ones perhaps: their replication costs the "
-                    "brokers CPU that this run's lag will show; delete them for a clean run"
+                    "partitions), earlier runs' kept ones perhaps: the brokers keep replicating "
+                    "them beside this run's topic; delete them for a run that measures the "
+                    "outbox alone"
                 )
             return others
         return {}
