@@ -316,7 +316,11 @@ def topic_partitions(bootstrap: str) -> dict[str, int]:
     """Every topic of the cluster (Kafka's internal ones too) and its number of partitions."""
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-bench")
     try:
-        return {t["topic"]: len(t.get("partitions") or []) for t in admin.describe_topics()}
+        # kafka-python names a topic "topic" or "name", by the Metadata version it used.
+        return {
+            t.get("topic") or t["name"]: len(t.get("partitions") or [])
+            for t in admin.describe_topics()
+        }
     finally:
         admin.close()
 
