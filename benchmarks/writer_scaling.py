@@ -33,7 +33,7 @@ publisher's listener would, and counts the notifications of each point.
 
 Each point runs ``--seconds`` after a warm-up; the rounds (``--rounds``)
 interleave every point, the variants' order rotating from one round to the
-next, and both tables are emptied and a checkpoint taken before each point,
+next, and the tables are emptied and a checkpoint taken before each point,
 so that noise and growth hit every variant alike. Reported: transactions per
 second per variant and N (the median over the rounds) and the ratio of each
 other variant to ``plain`` at each N.
@@ -60,7 +60,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from common import (
@@ -99,6 +99,9 @@ CREATE TABLE bench_orders (
 )
 """
 
+#: What a writer's transaction adds to the order: ``outbox.enqueue``, or the minimal row.
+Event = Literal["enqueue", "minimal_row"]
+
 #: The least an outbox can write: the event, in a table with only a primary key.
 EVENTS_TABLE = """
 CREATE TABLE bench_events (
@@ -128,7 +131,7 @@ class Variant:
     or ``"minimal_row"``), which trigger runs, and whether a publisher sleeps."""
 
     name: str
-    event: str | None
+    event: Event | None
     trigger: str | None
     asleep: bool = False
 
@@ -152,7 +155,7 @@ class Share:
 
 
 def business_transaction(
-    conn: psycopg.Connection[Any], topic: str, n: int, *, event: str | None
+    conn: psycopg.Connection[Any], topic: str, n: int, *, event: Event | None
 ) -> None:
     """Insert an order (and write its event: ``outbox.enqueue``, or the minimal row); commit."""
     customer = n % CUSTOMERS
@@ -182,7 +185,7 @@ class Writers:
 
     url: str
     topic: str
-    event: str | None
+    event: Event | None
     threads: int
     first: int
     measure_from: float
