@@ -28,7 +28,7 @@ from contextlib import (
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from outbox.errors import ConnectionNotSupported, NoOpenTransaction, TransactionAborted
@@ -43,7 +43,11 @@ Rows = list[tuple[Any, ...]]
 
 #: The savepoint a multi-statement ``enqueue_many`` runs in on a psycopg connection.
 SAVEPOINT = "outbox_enqueue"
-_ROLLBACK_TO_SAVEPOINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}"
+# One statement each: a string of two cannot be prepared (``prepare_threshold=0``)
+# nor sent in pipeline mode.
+_OPEN_SAVEPOINT = f"SAVEPOINT {SAVEPOINT}"
+_ROLLBACK_TO_SAVEPOINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
+_RELEASE_SAVEPOINT = f"RELEASE SAVEPOINT {SAVEPOINT}"
 
 _SYNC_HINT = "use outbox.enqueue / outbox.enqueue_many (without await)"
 _ASYNC_HINT = "use `await outbox.aio.enqueue(...)` / `await outbox.aio.enqueue_many(...)`"
@@ -53,7 +57,7 @@ class Executor(Protocol):
     """Runs statements in the caller's transaction."""
 
     def fetchall(self, sql: str, params: Params) -> Rows:
-        """Execute ``sql`` with psycopg-style placeholders and return all rows."""
+        """Execute ``sql`` (which returns rows) with psycopg-style placeholders; all its rows."""
         ...
 
     def savepoint(self) -> AbstractContextManager[None]:
@@ -74,16 +78,27 @@ class AsyncExecutor(Protocol):
 
 
 class PsycopgExecutor:
-    """Executes on a caller's psycopg 3 connection."""
+    """Executes on a caller's psycopg 3 connection.
+
+    Every statement goes through a plain client-side ``psycopg.Cursor`` with
+    tuple rows, whatever ``cursor_factory`` and ``row_factory`` the caller's
+    connection has (a ``RawCursor`` would send the ``%s`` placeholders to the
+    server as they are). Rows are always fetched, never judged from
+    ``description`` first: in pipeline mode that is unset until they are.
+    """
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._conn = conn
 
     def fetchall(self, sql: str, params: Params) -> Rows:
-        """Execute on a tuple-row cursor whatever row factory the caller chose."""
-        with self._conn.cursor(row_factory=tuple_row) as cur:
+        """Execute a statement that returns rows and return them all, as tuples."""
+        with psycopg.Cursor(self._conn, row_factory=tuple_row) as cur:
             cur.execute(sql, params)
-            return cur.fetchall() if cur.description is not None else []
+            return cur.fetchall()
+
+    def _run(self, sql: str) -> None:
+        with psycopg.Cursor(self._conn) as cur:
+            cur.execute(sql)
 
     @contextmanager
     def savepoint(self) -> Iterator[None]:
@@ -94,28 +109,41 @@ class PsycopgExecutor:
         of the block; a SAVEPOINT statement instead lets psycopg begin the
         caller's transaction as any first statement does, and leaves it open.
         """
-        self._conn.execute(f"SAVEPOINT {SAVEPOINT}")
+        self._run(_OPEN_SAVEPOINT)
         try:
             yield
         except BaseException:
+            self._resume_pipeline()
             # If this fails too, the original error says more; the transaction stays failed.
             with suppress(psycopg.Error):
-                self._conn.execute(_ROLLBACK_TO_SAVEPOINT)
+                self._run(_ROLLBACK_TO_SAVEPOINT)
+                self._run(_RELEASE_SAVEPOINT)
             raise
-        self._conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        self._run(_RELEASE_SAVEPOINT)
+
+    def _resume_pipeline(self) -> None:
+        """In pipeline mode, after an error the server skips every statement up to the
+        next sync point: send one, so that the rollback to the savepoint runs."""
+        if self._conn.pgconn.pipeline_status == PipelineStatus.ABORTED:
+            with suppress(psycopg.Error), self._conn.pipeline() as pipeline:
+                pipeline.sync()
 
 
 class AsyncPsycopgExecutor:
-    """Executes on a caller's psycopg 3 async connection."""
+    """Executes on a caller's psycopg 3 async connection, as ``PsycopgExecutor`` does."""
 
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self._conn = conn
 
     async def fetchall(self, sql: str, params: Params) -> Rows:
-        """Execute on a tuple-row cursor whatever row factory the caller chose."""
-        async with self._conn.cursor(row_factory=tuple_row) as cur:
+        """Execute a statement that returns rows and return them all, as tuples."""
+        async with psycopg.AsyncCursor(self._conn, row_factory=tuple_row) as cur:
             await cur.execute(sql, params)
-            return await cur.fetchall() if cur.description is not None else []
+            return await cur.fetchall()
+
+    async def _run(self, sql: str) -> None:
+        async with psycopg.AsyncCursor(self._conn) as cur:
+            await cur.execute(sql)
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
@@ -125,15 +153,24 @@ class AsyncPsycopgExecutor:
         server, which fails the transaction; the rollback to the savepoint
         makes it usable again.
         """
-        await self._conn.execute(f"SAVEPOINT {SAVEPOINT}")
+        await self._run(_OPEN_SAVEPOINT)
         try:
             yield
         except BaseException:
+            await self._resume_pipeline()
             # If this fails too, the original error says more; the transaction stays failed.
             with suppress(psycopg.Error):
-                await self._conn.execute(_ROLLBACK_TO_SAVEPOINT)
+                await self._run(_ROLLBACK_TO_SAVEPOINT)
+                await self._run(_RELEASE_SAVEPOINT)
             raise
-        await self._conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        await self._run(_RELEASE_SAVEPOINT)
+
+    async def _resume_pipeline(self) -> None:
+        """As ``PsycopgExecutor._resume_pipeline``."""
+        if self._conn.pgconn.pipeline_status == PipelineStatus.ABORTED:
+            with suppress(psycopg.Error):
+                async with self._conn.pipeline() as pipeline:
+                    await pipeline.sync()
 
 
 class SQLAlchemyExecutor:
@@ -175,6 +212,10 @@ class AsyncSQLAlchemyExecutor:
 def executor_for(conn: object) -> Executor:
     """Return an executor for ``conn`` after checking it has a usable open transaction."""
     if isinstance(conn, psycopg.Connection):
+        if conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            # In pipeline mode the transaction's status is known only at a sync point.
+            with conn.pipeline() as pipeline:
+                pipeline.sync()
         _check_transaction(conn)
         return PsycopgExecutor(conn)
     if isinstance(conn, psycopg.AsyncConnection):
@@ -187,6 +228,9 @@ def executor_for(conn: object) -> Executor:
 async def async_executor_for(conn: object) -> AsyncExecutor:
     """Return an executor for the async ``conn`` after checking its transaction."""
     if isinstance(conn, psycopg.AsyncConnection):
+        if conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            async with conn.pipeline() as pipeline:
+                await pipeline.sync()
         _check_transaction(conn)
         return AsyncPsycopgExecutor(conn)
     if isinstance(conn, psycopg.Connection):
@@ -206,10 +250,12 @@ def _sqlalchemy_executor(conn: object) -> Executor:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
+    conn = _unscoped(conn)
     if isinstance(conn, AsyncSession | AsyncConnection):
         raise _wrong_kind(conn, "an async connection", _ASYNC_HINT)
     if isinstance(conn, Session):
-        conn = conn.connection()
+        with _bound(conn):
+            conn = conn.connection()
     if not isinstance(conn, Connection):
         raise _unsupported(conn)
     _check_driver(conn.connection.driver_connection, conn.dialect.name, conn.dialect.driver)
@@ -221,15 +267,43 @@ async def _async_sqlalchemy_executor(conn: object) -> AsyncExecutor:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
+    conn = _unscoped(conn)
     if isinstance(conn, Session | Connection):
         raise _wrong_kind(conn, "a synchronous connection", _SYNC_HINT)
     if isinstance(conn, AsyncSession):
-        conn = await conn.connection()
+        with _bound(conn):
+            conn = await conn.connection()
     if not isinstance(conn, AsyncConnection):
         raise _unsupported(conn)
     raw = await conn.get_raw_connection()
     _check_driver(raw.driver_connection, conn.dialect.name, conn.dialect.driver)
     return AsyncSQLAlchemyExecutor(conn)
+
+
+def _unscoped(conn: object) -> object:
+    """The current session of a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
+    ``async_scoped_session``; anything else as it is."""
+    from sqlalchemy.ext.asyncio import async_scoped_session  # noqa: PLC0415
+    from sqlalchemy.orm import scoped_session  # noqa: PLC0415
+
+    if isinstance(conn, scoped_session | async_scoped_session):
+        return conn()
+    return conn
+
+
+@contextmanager
+def _bound(session: object) -> Iterator[None]:
+    """Name the way out when a session has no default bind to take a connection from."""
+    from sqlalchemy.exc import UnboundExecutionError  # noqa: PLC0415
+
+    try:
+        yield
+    except UnboundExecutionError as exc:
+        raise ConnectionNotSupported(
+            f"the {_kind(session)} has no default bind (it binds per mapper or table), so "
+            "the library cannot tell which database your rows go to; pass the connection "
+            "they use instead: session.connection(bind_arguments={'mapper': YourModel})"
+        ) from exc
 
 
 def _check_driver(driver: object, dialect: str, name: str) -> None:

@@ -145,6 +145,10 @@ class Outbox:
         """Validate every message before anything is sent; name the first bad one's position."""
         intents: list[Intent] = []
         for index, m in enumerate(messages):
+            if not isinstance(m, Message):
+                raise InvalidMessage(
+                    f"message {index}: expected an outbox.Message, got {type(m).__name__}"
+                )
             try:
                 intents.append(self._intent(m.topic, m.value, m.key, m.headers, m.idempotency_key))
             except InvalidMessage as exc:

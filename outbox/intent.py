@@ -53,7 +53,8 @@ DEFAULT_MAX_HEADER_BYTES = 16_384
 #: would abort the caller's transaction on the server, so it is refused here.
 MAX_IDEMPOTENCY_KEY_BYTES = 1_024
 
-Headers = Mapping[str, bytes | str] | Iterable[tuple[str, bytes | str]]
+HeaderValue = bytes | bytearray | memoryview | str
+Headers = Mapping[str, HeaderValue] | Iterable[tuple[str, HeaderValue]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +197,8 @@ def encode_headers(
             encoded = _utf8(value, f"header {name!r}'s value", InvalidHeaders)
         elif isinstance(value, bytes):
             encoded = value
+        elif isinstance(value, bytearray | memoryview):
+            encoded = bytes(value)
         else:
             raise InvalidHeaders(
                 f"header {name!r} has a {type(value).__name__} value; it must be bytes or str"
@@ -266,7 +269,9 @@ def build_intent(
     # Both enqueue paths (one message or many, sync or async) build their
     # intents here, so each message gets the span current when it was built.
     add_trace_context(names, values)
-    if is_json and CONTENT_TYPE_HEADER not in names:
+    # Kafka's header names are case-sensitive, but many consumers read this one
+    # as HTTP does: a "Content-Type" of the caller's is not doubled.
+    if is_json and all(name.lower() != CONTENT_TYPE_HEADER for name in names):
         names.append(CONTENT_TYPE_HEADER)
         values.append(JSON_CONTENT_TYPE)
     return Intent(

@@ -251,7 +251,8 @@ def _apply(
             continue
         target.script(migration.sql)
         target.executor.fetchall(
-            "INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s)",
+            "INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s) "
+            "RETURNING version",  # every statement an executor runs returns rows
             (migration.version, migration.name),
         )
         applied.append(migration)

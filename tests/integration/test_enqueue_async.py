@@ -8,6 +8,7 @@ a multi-statement ``enqueue_many`` whole is checked on the synchronous types too
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,7 @@ from contextlib import (
     AsyncExitStack,
     asynccontextmanager,
     contextmanager,
+    nullcontext,
 )
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,13 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
-from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import (
+    AsyncSession,
+    async_scoped_session,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 import outbox
 import outbox.aio
@@ -88,6 +95,50 @@ ASYNC_OPENERS = pytest.mark.parametrize(
     "opener",
     [_psycopg, _sa_connection, _sa_session],
     ids=["psycopg-async", "sa-async-connection", "sa-async-session"],
+)
+
+
+@asynccontextmanager
+async def _psycopg_pipeline(url: str, **connect_args: Any) -> AsyncIterator[Any]:
+    async with _psycopg(url, **connect_args) as conn, conn.pipeline():
+        yield conn
+
+
+@asynccontextmanager
+async def _sa_scoped_session(url: str, **connect_args: Any) -> AsyncIterator[Any]:
+    engine = create_async_engine(_sa_url(url), poolclass=sa.NullPool, connect_args=connect_args)
+    scoped = async_scoped_session(async_sessionmaker(engine), scopefunc=asyncio.current_task)
+    try:
+        yield scoped
+    finally:
+        await scoped.remove()
+        await engine.dispose()
+
+
+#: The async connection types, and the settings of a caller's connection that
+#: change how statements are sent: each runs the savepoint's paths.
+ASYNC_VARIANTS = pytest.mark.parametrize(
+    "opener",
+    [
+        _psycopg,
+        functools.partial(_psycopg, cursor_factory=psycopg.AsyncRawCursor),
+        functools.partial(_psycopg, cursor_factory=psycopg.AsyncClientCursor),
+        functools.partial(_psycopg, prepare_threshold=0),
+        _psycopg_pipeline,
+        _sa_connection,
+        _sa_session,
+        _sa_scoped_session,
+    ],
+    ids=[
+        "psycopg-async",
+        "psycopg-async-raw-cursor",
+        "psycopg-async-client-cursor",
+        "psycopg-async-prepared-at-once",
+        "psycopg-async-pipeline",
+        "sa-async-connection",
+        "sa-async-session",
+        "sa-async-scoped-session",
+    ],
 )
 
 
@@ -299,7 +350,7 @@ def test_an_async_connection_in_autocommit_or_a_failed_transaction_is_refused(
 # --- failure and cancellation part-way --------------------------------------------------------
 
 
-@ASYNC_OPENERS
+@ASYNC_VARIANTS
 def test_enqueue_many_failing_in_its_second_statement_leaves_none_of_its_rows(
     database_url: str, opener: AsyncOpener
 ) -> None:
@@ -324,27 +375,63 @@ def test_enqueue_many_failing_in_its_second_statement_leaves_none_of_its_rows(
     assert _committed(database_url) == [(before, b"before"), (after, b"after")]
 
 
-SYNC_OPENERS = pytest.mark.parametrize("opener", ["psycopg", "sa-connection", "sa-session"])
+#: The synchronous connection types, and the settings of a caller's psycopg
+#: connection that change how statements are sent.
+SYNC_OPENERS = pytest.mark.parametrize(
+    "opener",
+    [
+        "psycopg",
+        "psycopg-raw-cursor",
+        "psycopg-client-cursor",
+        "psycopg-prepared-at-once",
+        "psycopg-pipeline",
+        "sa-connection",
+        "sa-session",
+        "sa-scoped-session",
+    ],
+)
+
+_PSYCOPG_SETTINGS: dict[str, dict[str, Any]] = {
+    "psycopg": {},
+    "psycopg-raw-cursor": {"cursor_factory": psycopg.RawCursor},
+    "psycopg-client-cursor": {"cursor_factory": psycopg.ClientCursor},
+    "psycopg-prepared-at-once": {"prepare_threshold": 0},
+    "psycopg-pipeline": {},
+}
 
 
 @contextmanager
 def _sync_conn(kind: str, url: str, **connect_args: Any) -> Iterator[Any]:
-    if kind == "psycopg":
-        conn = psycopg.connect(url, **connect_args)
+    if kind in _PSYCOPG_SETTINGS:
+        raw = psycopg.connect(url, **_PSYCOPG_SETTINGS[kind], **connect_args)
         try:
-            yield conn
+            with raw.pipeline() if kind == "psycopg-pipeline" else nullcontext():
+                yield raw
         finally:
-            conn.close()
+            raw.close()
         return
     engine = sa.create_engine(_sa_url(url), poolclass=sa.NullPool, connect_args=connect_args)
-    opened: AbstractContextManager[Any] = (
-        engine.connect() if kind == "sa-connection" else Session(engine)
-    )
+    opened: AbstractContextManager[Any]
+    if kind == "sa-connection":
+        opened = engine.connect()
+    elif kind == "sa-session":
+        opened = Session(engine)
+    else:
+        opened = _removed(scoped_session(sessionmaker(engine)))
     try:
         with opened as conn:
             yield conn
     finally:
         engine.dispose()
+
+
+@contextmanager
+def _removed(scoped: scoped_session[Session]) -> Iterator[scoped_session[Session]]:
+    """A scoped session (as Flask-SQLAlchemy's ``db.session``), removed at the end."""
+    try:
+        yield scoped
+    finally:
+        scoped.remove()
 
 
 @SYNC_OPENERS

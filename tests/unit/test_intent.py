@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
 
 import outbox
+import outbox.aio
 from outbox import Message, Outbox
 from outbox.errors import (
     ConnectionNotSupported,
@@ -209,6 +214,11 @@ def test_encode_value_refuses_what_is_not_json(value: object) -> None:
             [b"a", b"x", b"b", b"c"],
         ),
         ({"name": "héllo"}, ["name"], ["héllo".encode()]),
+        (
+            {"a": bytearray(b"\x01"), "b": memoryview(b"\x02")},
+            ["a", "b"],
+            [b"\x01", b"\x02"],
+        ),
     ],
 )
 def test_encode_headers(headers: Any, names: list[str], values: list[bytes]) -> None:
@@ -272,6 +282,15 @@ def test_build_intent_keeps_the_callers_content_type() -> None:
     intent = build_intent("orders", {"id": 1}, headers=[("content-type", b"application/x-custom")])
     assert _header_pairs(intent.header_names, intent.header_values) == [
         ("content-type", b"application/x-custom")
+    ]
+
+
+@pytest.mark.parametrize("name", ["Content-Type", "CONTENT-TYPE"])
+def test_build_intent_keeps_the_callers_content_type_in_any_case(name: str) -> None:
+    """A caller's content type named in another letter case is not doubled by ours."""
+    intent = build_intent("orders", {"id": 1}, headers=[(name, "application/x-custom")])
+    assert _header_pairs(intent.header_names, intent.header_values) == [
+        (name, b"application/x-custom")
     ]
 
 
@@ -339,6 +358,19 @@ def test_enqueue_many_keeps_the_specific_error_type() -> None:
     """A value over the Outbox's max_value_bytes raises ValueTooLarge naming message 0."""
     with pytest.raises(ValueTooLarge, match=r"^message 0: value is 6 bytes"):
         Outbox(max_value_bytes=5).enqueue_many(object(), [Message("orders", b"123456")])
+
+
+@pytest.mark.parametrize(
+    ("item", "kind"),
+    [(("orders", b"v"), "tuple"), ({"topic": "orders", "value": b"v"}, "dict"), ("orders", "str")],
+)
+def test_enqueue_many_names_an_item_that_is_not_a_message(item: object, kind: str) -> None:
+    """A tuple, dict or str among the messages raises InvalidMessage naming its position."""
+    messages: list[Any] = [Message("orders", b"v"), item]
+    with pytest.raises(
+        InvalidMessage, match=rf"^message 1: expected an outbox.Message, got {kind}$"
+    ):
+        Outbox().enqueue_many(object(), messages)
 
 
 def test_enqueue_many_with_valid_messages_refuses_an_unsupported_connection() -> None:
@@ -485,3 +517,24 @@ def test_build_intent_refuses_json_that_nests_too_deeply() -> None:
         value = [value]
     with pytest.raises(InvalidValue, match="nests too deeply"):
         build_intent("orders", value)
+
+
+# --- SQLAlchemy sessions without a default bind -------------------------------------------------
+
+_ORDERS = sa.Table("orders", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
+#: Never connected to: the error comes before any connection is opened.
+_NOWHERE = "postgresql+psycopg://127.0.0.1:1/none"
+
+
+def test_a_session_without_a_default_bind_names_the_connection_to_pass() -> None:
+    """Its tables may live in several databases: the error says which connection to give."""
+    session = Session(binds={_ORDERS: sa.create_engine(_NOWHERE)})
+    with pytest.raises(ConnectionNotSupported, match=r"no default bind.*bind_arguments"):
+        outbox.enqueue(session, "orders", b"x")
+
+
+def test_an_async_session_without_a_default_bind_names_the_connection_to_pass() -> None:
+    """The same for an AsyncSession."""
+    session = AsyncSession(binds={_ORDERS: create_async_engine(_NOWHERE)})
+    with pytest.raises(ConnectionNotSupported, match=r"no default bind.*bind_arguments"):
+        asyncio.run(outbox.aio.enqueue(session, "orders", b"x"))
