@@ -41,6 +41,7 @@ from publisher.sink import (
     hand_over_closed,
     held_back,
     key_identity,
+    transaction_failed,
     window_open,
 )
 
@@ -119,6 +120,20 @@ def message_timeout_ms(config: KafkaSinkConfig) -> int:
             )
         timeout = value
     return timeout
+
+
+#: What ``produce()`` raises once the transaction failed (an earlier record of it was
+#: refused: _STATE until the abort) or the producer did (_FATAL): the record is not at fault.
+_TRANSACTION_FAILED_CODES = frozenset((KafkaError._STATE, KafkaError._FATAL))
+
+
+def _transaction_failed(exc: Exception) -> bool:
+    """Whether ``produce()`` refused a record because its transaction (or producer) had failed."""
+    return (
+        isinstance(exc, KafkaException)
+        and isinstance(exc.args[0], KafkaError)
+        and exc.args[0].code() in _TRANSACTION_FAILED_CODES
+    )
 
 
 def _exception(error: KafkaError) -> BaseException:
@@ -330,9 +345,13 @@ class ConfluentSink:
             try:
                 self._produce(producer, r, partial(_on_delivery, in_flight.reports, index))
             except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
-                in_flight.reports[index] = SendReport(
-                    None, None, self._refusal(exc), handed_to_producer=False
-                )
+                refusal = self._refusal(exc)  # notes a fatal error: the producer is replaced
+                if self._transactional_id is not None and _transaction_failed(exc):
+                    # Refused for an earlier record's failure, as is every later one.
+                    for later in range(index, len(records)):
+                        in_flight.reports[later] = transaction_failed()
+                    break
+                in_flight.reports[index] = SendReport(None, None, refusal, handed_to_producer=False)
                 refused_keys.add(key)
                 continue
             if window is not None and not self._times_out_in_time(window):

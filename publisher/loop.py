@@ -69,6 +69,7 @@ from publisher.sink import (
     SendReport,
     SendWindow,
     Sink,
+    TransactionFailed,
 )
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
 from publisher.tracing import BatchSpans, batch_spans
@@ -313,9 +314,14 @@ class Publisher:
             if any(self._ends_claims(m) for m in batch.messages):
                 self._settle(batch, [self._give_up_unsent(m) for m in batch.messages])
                 return len(batch.messages)
-            for sent, settlements in self._send(batch, in_hand):
-                self._settle(sent, settlements)
-                self.spans.settled(sent, settlements)
+            try:
+                for sent, settlements in self._send(batch, in_hand):
+                    self._settle(sent, settlements)
+                    self.spans.settled(sent, settlements)
+            except BaseException:
+                if self._transactional:
+                    self._leave_session()
+                raise
         finally:
             # Settled, or given up on (an error on the way): either way their
             # leases are no longer renewed; recovery takes what is left.
@@ -543,9 +549,10 @@ class Publisher:
 
     def _abandon_transaction(self, batches: list[Batch]) -> None:
         """Abort the transaction an error left open (the database went away between its
-        begin and its end): else the session refuses every later begin. What it
-        carried is never committed; its batches stay open, for recovery to decide
-        once their leases expire. A session that cannot abort is discarded.
+        begin and its end), so that read_committed consumers of its partitions are not
+        held back until it times out. What it carried is never committed; its batches
+        stay open, for recovery to decide once their leases expire. The run loop then
+        leaves the session (``_leave_session``).
         """
         if not self._transaction_open:
             return
@@ -554,12 +561,24 @@ class Publisher:
         try:
             end = self.sink.end_transaction(commit=False)
         except Exception as exc:  # noqa: BLE001 - the error that got here is re-raised
-            log.warning(
-                "batch %s: aborting the transaction failed (%s); session discarded", ids, exc
-            )
-            self.sink.discard_producer()
+            log.warning("batch %s: aborting the transaction failed: %s", ids, exc)
             return
         log.warning("batch %s: transaction %s on an error", ids, end.value)
+
+    def _leave_session(self) -> None:
+        """Discard the producer session after an error left batches marked under it open.
+
+        Recovery takes those batches once their leases expire, and the
+        reconciler fences the transactional.id their marks recorded before it
+        decides them: a transaction of this session would be fenced with them,
+        and its batches left to recovery in turn. The next transaction begins
+        in a new session, under a new transactional.id.
+        """
+        session = self.sink.transactional_id
+        if session is None:
+            return  # no session was opened
+        log.warning("leaving producer session %s: batches marked under it were left open", session)
+        self.sink.discard_producer()
 
     # --- claiming ahead ----------------------------------------------------------
 
@@ -703,6 +722,9 @@ class Publisher:
                 if isinstance(report.error, HandOverClosed):
                     unsent[r.message_id] = HAND_OVER_CLOSED
                     continue
+                if isinstance(report.error, TransactionFailed):
+                    unsent[r.message_id] = TRANSACTION_FAILED
+                    continue
                 if isinstance(report.error, NotHandedOver):
                     continue  # held back: settled unsent, behind the refused one
                 sent[r.message_id] = (r, report)
@@ -711,9 +733,8 @@ class Publisher:
             if self._transactional and any(r.error is not None for r in reports):
                 # The transaction is aborted at the end: what is left is not
                 # sent into it (and stays with the producer it was begun on).
-                aborted = "not sent: an earlier record of its transaction failed"
                 for later in records[records.index(group[-1]) + 1 :]:
-                    unsent.setdefault(later.message_id, aborted)
+                    unsent.setdefault(later.message_id, TRANSACTION_FAILED)
                 break
             if any(_spoils_producer(r) for r in reports):
                 # The producer session that produced an unknown outcome must
@@ -1094,6 +1115,7 @@ def _done(batch: Batch | None) -> Future[Batch | None]:
 OUTAGE = "broker_unavailable"
 
 HELD_BACK = "not sent: an earlier message of its key in the batch was not delivered"
+TRANSACTION_FAILED = "not sent: an earlier record of its transaction failed"
 HAND_OVER_CLOSED = (
     "not sent: its turn came after the batch's hand-over window closed (its write deadline "
     "counts on every record being handed over within it); it goes with a later claim"

@@ -68,6 +68,21 @@ class HandOverClosed(NotHandedOver):
     """
 
 
+class TransactionFailed(NotHandedOver):
+    """Not handed to the producer: its Kafka transaction had already failed.
+
+    Once a record of a transaction is refused, the producer refuses every
+    later send into it until the abort; the record itself is not at fault.
+    """
+
+
+def transaction_failed() -> SendReport:
+    """The report of a record the producer refused because its transaction had failed."""
+    return SendReport(
+        None, None, TransactionFailed("an earlier record of its transaction failed"), False
+    )
+
+
 def hand_over_closed() -> SendReport:
     """The report of a record whose turn came after its batch's hand-over window."""
     return SendReport(None, None, HandOverClosed("the batch's hand-over window had closed"), False)
@@ -431,6 +446,10 @@ class KafkaSink:
                     r.topic, value=r.value, key=r.key, headers=r.headers, partition=r.partition
                 )
             except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
+                if _transaction_failed(producer):
+                    # Refused for an earlier record's failure, as is every later one.
+                    in_flight.entries.extend(transaction_failed() for _ in records[index:])
+                    break
                 in_flight.entries.append(SendReport(None, None, exc, handed_to_producer=False))
                 refused_keys.add(key)
             else:
@@ -520,6 +539,12 @@ class KafkaSink:
         self._transactional_id = None
         if producer is not None:
             producer.close(timeout=self._config.request_timeout_ms / 1000)
+
+
+def _transaction_failed(producer: Any) -> bool:
+    """Whether this producer's transaction failed, so that it refuses every send until the abort."""
+    manager = getattr(producer, "_transaction_manager", None)
+    return manager is not None and manager.is_transactional() and manager.has_error()
 
 
 def _fenced(producer: Any) -> bool:

@@ -7,6 +7,7 @@ outcome is recorded).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ from publisher.sink import (
     hand_over_closed,
     held_back,
     key_identity,
+    transaction_failed,
 )
 from publisher.store import Batch, ClaimedMessage, PublisherStore, Recovered, Settlement
 from publisher.waker import Waker
@@ -813,6 +815,26 @@ def test_a_record_that_failed_aborts_its_transaction_and_sends_the_rest_again() 
     assert "its transaction was aborted" in (by_id[confirmed.id].error or "")
 
 
+def test_records_refused_after_their_transaction_failed_are_not_charged_a_failure() -> None:
+    """The broker refused one record; the producer then refused the others: only it is judged."""
+    refused, bystander = _message(key=b"a"), _message(key=b"b")
+    events, store, sink, publisher = _transactional(refused, bystander)
+    sink.reports = {
+        refused.id: SendReport(None, None, kafka_errors.InvalidRecordError("needs a key"), True),
+        bystander.id: transaction_failed(),
+    }
+
+    publisher.run_once()
+
+    assert "abort" in events
+    by_id = {s.message_id: s for s in store.settled[0]}
+    assert by_id[refused.id].state is State.QUARANTINED
+    assert by_id[bystander.id].state is State.PENDING
+    assert by_id[bystander.id].attempt_outcome == "abandoned"
+    assert not by_id[bystander.id].counts_as_failure
+    assert by_id[bystander.id].error == "not sent: an earlier record of its transaction failed"
+
+
 def test_a_commit_whose_answer_was_lost_leaves_every_record_uncertain() -> None:
     """Commit unanswered: the confirmed records may or may not be committed, so uncertain."""
     first, second = _message(key=b"a"), _message(key=b"b")
@@ -999,14 +1021,41 @@ def test_a_joining_batch_whose_mark_failed_aborts_what_the_transaction_carried()
     finally:
         publisher._release_claimed_ahead()
 
-    assert [e for e in events if e in ("begin", "send", "commit", "abort")] == [
+    assert [e for e in events if e in ("begin", "send", "commit", "abort", "discard_producer")] == [
         "begin",
         "send",
         "abort",
+        "discard_producer",  # its marks are left open: recovery will fence its session
     ]
     assert not sink.in_transaction
     assert store.settled == []
     assert publisher.held_batches() == []
+
+
+def test_a_committed_transaction_whose_settle_failed_for_a_lease_leaves_its_session() -> None:
+    """The database stayed away past the lease after the commit: the batch stays open for
+    recovery, whose reconciler fences the session it names, so the next transaction begins
+    in a new session instead of being fenced along with it."""
+    events: list[str] = []
+    store = FakeStore(events, [_batch(_message())])
+    sink = FakeSink(events)
+
+    def settle_fails(batch: Batch, settlements: Sequence[Settlement]) -> set[uuid.UUID]:
+        events.append("settle")
+        raise psycopg.OperationalError("the database system is shutting down")
+
+    store.settle = settle_fails  # type: ignore[method-assign]
+    ticks = itertools.count(0.0, CONFIG.lease_seconds)  # each look at the clock: a lease later
+    publisher = _publisher(store, sink, TRANSACTIONAL, clock=lambda: next(ticks))
+
+    with pytest.raises(psycopg.OperationalError):
+        publisher.run_once()
+
+    assert [e for e in events if e in ("commit", "settle", "discard_producer")] == [
+        "commit",
+        "settle",
+        "discard_producer",
+    ]
 
 
 def test_a_transaction_that_cannot_be_aborted_after_an_error_loses_its_session() -> None:
