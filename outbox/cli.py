@@ -262,9 +262,9 @@ def _parser() -> argparse.ArgumentParser:
     resolve_cmd.add_argument(
         "--force-before-deadline",
         action="store_true",
-        help="with --pending: UNSAFE, may deliver the message twice; skip the check that the "
-        "producer that sent it can no longer write it (write deadline passed, or its Kafka "
-        "transaction session fenced)",
+        help="with --pending or --discard: UNSAFE, may deliver the message twice (or after "
+        "later messages of its key); skip the check that the producer that sent it can no "
+        "longer write it (write deadline passed, or its Kafka transaction session fenced)",
     )
     retry_cmd = commands.add_parser(
         "retry",
@@ -327,9 +327,12 @@ def _warn_if_unfenced(args: argparse.Namespace) -> None:
 
 
 def _connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
-    """A connection to ``url``; an error opening it repeats nothing secret of the URL."""
+    """A connection to ``url`` at READ COMMITTED, whatever the server's default (operator
+    decisions need it); an error opening it repeats nothing secret of the URL."""
     with connect_errors_redacted(url):
-        return psycopg.connect(url)
+        conn = psycopg.connect(url)
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
 
 
 def _migrate(args: argparse.Namespace) -> int:

@@ -9,7 +9,10 @@ will be refused holds nothing, so it never stalls a claim of the message's
 lane, even in a transaction its caller keeps open. Only a decision that will
 apply locks the message's lane (``resolve_lock``), so that it never races a
 claim; if the message changed in between, the decision is refused and its
-transaction (or savepoint) rolled back, which releases the lock.
+transaction (or savepoint) rolled back, which releases the lock. Decisions run
+only at READ COMMITTED: after waiting for a claim, a decision must see the
+batch that claim committed, which a snapshot taken before the wait (REPEATABLE
+READ, SERIALIZABLE) would not.
 
 A decision names the fence it was made from (``outbox inspect`` and
 ``outbox list`` show it) and applies only while the message is still at that
@@ -63,8 +66,9 @@ class StaleDecision(DecisionRefused):
 
 
 class BeforeWriteDeadline(DecisionRefused):
-    """Moving the uncertain message to pending now could send it twice: its record may still
-    be written by the producer that sent it (before its write deadline, or, in transactional
+    """Moving the uncertain message to pending now could send it twice, and discarding it
+    could let its record land after later messages of its key: the record may still be
+    written by the producer that sent it (before its write deadline, or, in transactional
     delivery, until its session is fenced)."""
 
 
@@ -115,8 +119,9 @@ def resolve(
     ``DISCARD``. Raises ``DecisionRefused`` naming the message's actual state
     when it is not one of ``RESOLVABLE``; ``StaleDecision`` naming what
     changed when it is no longer at ``fence``; ``BeforeWriteDeadline`` for
-    ``PENDING`` while the record of an uncertain message may still be written
-    (unless ``force_before_deadline``, which risks sending it twice); and
+    ``PENDING`` or ``DISCARD`` while the record of an uncertain message may
+    still be written (unless ``force_before_deadline``, which risks sending it
+    twice, or, discarded, writing it after later messages of its key); and
     ``ValueError`` for an empty reason or a missing fence.
     """
     if resolution is not Resolution.DELIVERED and (partition is not None or offset is not None):
@@ -126,8 +131,8 @@ def resolve(
             f"--{resolution.value} needs --fence N, the fence `outbox inspect {message_id}` "
             "shows: the decision applies only if the message has not changed since"
         )
-    if force_before_deadline and resolution is not Resolution.PENDING:
-        raise ValueError("--force-before-deadline only goes with --pending")
+    if force_before_deadline and resolution not in (Resolution.PENDING, Resolution.DISCARD):
+        raise ValueError("--force-before-deadline only goes with --pending or --discard")
     return _decide(
         conn,
         message_id,
@@ -260,6 +265,7 @@ def _decide(
             raise refusal
 
     with conn.transaction():
+        _require_read_committed(conn)
         # Checked first without a lock: a refused decision never holds one.
         refuse_unless_allowed()
         # Waits for a claim of the message's lane in progress (see resolve_lock).
@@ -286,6 +292,19 @@ def _decide(
     return State(row[0])
 
 
+def _require_read_committed(conn: psycopg.Connection[Any]) -> None:
+    """Refuse a decision in a transaction whose snapshot would not see a claim it waited for."""
+    row = conn.execute(query("transaction_isolation")).fetchone()
+    isolation = row[0] if row is not None else None
+    if isolation != "read committed":
+        raise DecisionRefused(
+            f"operator decisions run at READ COMMITTED, and this transaction is {isolation}: "
+            "its snapshot would not see a claim the decision waits for, so it could move a "
+            "message that is being sent. Use a connection at READ COMMITTED "
+            "(psycopg: conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED)"
+        )
+
+
 def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
     """Why ``decision`` must not apply to the message as ``seen``, or None when it may."""
     message_id, fence = decision.message_id, decision.fence
@@ -306,31 +325,45 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
             "again from what it shows now"
         )
     if (
-        decision.to_state is State.PENDING
+        decision.to_state in _WAITS_FOR_THE_WRITE_DEADLINE
         and seen.state == State.UNCERTAIN
         and not decision.force_before_deadline
     ):
-        return _before_write_deadline(message_id, seen)
+        return _before_write_deadline(message_id, seen, decision.to_state)
     return None
 
 
-def _before_write_deadline(message_id: uuid.UUID, seen: _Seen) -> BeforeWriteDeadline | None:
-    """Refuse sending an uncertain message again while its record may still be written."""
+#: What an uncertain message may become only once its record can no longer be
+#: written, and what doing it sooner risks: sent again, a second copy; discarded,
+#: its key released while the record may still land after later messages of the key.
+_WAITS_FOR_THE_WRITE_DEADLINE = {
+    State.PENDING: "sending it again now may deliver it twice",
+    State.DISCARDED: (
+        "discarding it now releases its key while its record may still be written, after "
+        "later messages of the key (and a discarded message would then be delivered)"
+    ),
+}
+
+
+def _before_write_deadline(
+    message_id: uuid.UUID, seen: _Seen, to_state: State
+) -> BeforeWriteDeadline | None:
+    """Refuse moving an uncertain message on while its record may still be written."""
+    risk = _WAITS_FOR_THE_WRITE_DEADLINE[to_state]
     if seen.unfenced_session is not None:
         return BeforeWriteDeadline(
             f"message {message_id} was sent in the Kafka transaction of producer session "
             f"{seen.unfenced_session}, which has not been fenced: that session may still "
-            "commit its record, and sending it again now may deliver it twice. Run "
-            "`outbox-publisher reconcile`: it fences the session and decides the message from "
-            "what Kafka committed (--force-before-deadline overrides this check, unsafely)"
+            f"commit its record, and {risk}. Run `outbox-publisher reconcile`: it fences the "
+            "session and decides the message from what Kafka committed "
+            "(--force-before-deadline overrides this check, unsafely)"
         )
     if seen.write_deadline is not None and seen.write_deadline > seen.checked_at:
         return BeforeWriteDeadline(
             f"message {message_id} may still be written by the producer that sent it until "
-            f"{seen.write_deadline.isoformat()} (its write deadline): sending it again before "
-            "then may deliver it twice. Decide it from then on (`outbox-publisher reconcile` "
-            "decides it from Kafka once the deadline has passed); --force-before-deadline "
-            "overrides this check, unsafely"
+            f"{seen.write_deadline.isoformat()} (its write deadline): {risk}. Decide it from "
+            "then on (`outbox-publisher reconcile` decides it from Kafka once the deadline has "
+            "passed); --force-before-deadline overrides this check, unsafely"
         )
     return None
 

@@ -120,6 +120,11 @@ SELECT id FROM outbox.batches WHERE id = %(batch_id)s FOR UPDATE
 -- send_began_at. In transactional delivery the batch records the
 -- transactional.id it is sent under (NULL otherwise), and the publisher row
 -- the session in use.
+-- Only messages still pending are returned. A claim that waited for an
+-- operator's decision on its lane (resolve_lock) read the messages with the
+-- snapshot its statement began with, from before that decision committed:
+-- it may name a message the decision has just discarded. This statement's
+-- snapshot sees the decision, so such a message is not sent.
 WITH held AS (
     SELECT id, message_ids
     FROM outbox.batches
@@ -143,7 +148,10 @@ WITH held AS (
     UPDATE outbox.publishers SET transactional_id = %(transactional_id)s
     WHERE id = %(owner)s AND transactional_id IS DISTINCT FROM %(transactional_id)s
 )
-SELECT unnest(message_ids) FROM held
+SELECT m.id
+FROM outbox.messages AS m
+-- Looked up by key, whatever the statistics say (see settle_batch).
+WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state = 'pending'
 
 -- name: settle_batch
 -- Close the batch and record the outcome of each of its messages in one
@@ -480,13 +488,20 @@ LEFT JOIN LATERAL (
 ) AS d ON true
 WHERE s.id = %(id)s
 
+-- name: transaction_isolation
+-- The isolation level of the current transaction ("read committed", ...).
+SELECT current_setting('transaction_isolation')
+
 -- name: resolve_lock
 -- Second step of an operator's decision, taken only once decision_check found
 -- nothing to refuse, in the decision's transaction: lock the message and its
 -- lane. A claim reads its lanes FOR SHARE, so this waits for a claim in
 -- progress and holds later claims of the lane off until the decision commits;
 -- resolve_message, the next statement, then sees every batch that names the
--- message. A decision refused after this (the message changed meanwhile)
+-- message: at READ COMMITTED, the only level decisions run at (a snapshot
+-- taken before the wait would not see that claim's batch). A claim that
+-- waited here reads the message as it was before the decision; mark_sending
+-- drops it from the batch. A decision refused after this (the message changed meanwhile)
 -- rolls its transaction, or savepoint, back, which releases both locks.
 SELECT l.lane
 FROM outbox.messages AS m
@@ -499,8 +514,10 @@ FOR UPDATE OF m, l
 -- message moves only if it is in one of from_states (the state as
 -- outbox.message_status derives it: a pending message named by an open batch
 -- is in flight), still at the fence the decision names (NULL: not checked),
--- and, moving an uncertain message to pending, only once nothing can write
--- its record any more (as decision_check says), unless forced. The decision
+-- and, moving an uncertain message to pending (a second copy) or discarded
+-- (its key released while its record may land after later ones), only once
+-- nothing can write its record any more (as decision_check says), unless
+-- forced. The decision
 -- raises the fence: a second decision made from the same reading is refused.
 -- The result says which state it was in and whether it moved.
 WITH target AS (
@@ -532,7 +549,7 @@ WITH target AS (
     FROM target AS t, decision AS d
     WHERE m.id = t.id AND t.state = ANY(%(from_states)s::text[])
       AND (%(fence)s::bigint IS NULL OR m.fence = %(fence)s::bigint)
-      AND NOT (d.to_state = 'pending' AND t.may_still_be_written
+      AND NOT (d.to_state IN ('pending', 'discarded') AND t.may_still_be_written
                AND NOT %(force_before_deadline)s::boolean)
     RETURNING m.id, t.state AS from_state, d.to_state, d.reason
 ), logged AS (

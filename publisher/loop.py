@@ -671,19 +671,22 @@ class Publisher:
         return counts, refused
 
     def _count_lost_before_sending(self, batch: Batch, held: set[uuid.UUID]) -> None:
-        """Messages recovered by another publisher before this one began sending them."""
+        """Messages this publisher no longer held when sending began: its batch was
+        recovered by another publisher, or an operator decided the message (a claim that
+        waited for the decision read it as it was before)."""
         lost = [m for m in batch.messages if m.id not in held]
         if not lost:
             return
         log.warning(
-            "batch %d: %d messages were recovered before sending began; not sent",
+            "batch %d: %d messages were recovered or decided before sending began; not sent",
             batch.id,
             len(lost),
             extra={"batch_id": batch.id},
         )
         for m in lost:
             self._message_log(m, batch.id).info(
-                "recovered by another publisher before sending began; not sent"
+                "recovered by another publisher, or decided by an operator, before sending "
+                "began; not sent"
             )
         self.totals.stale += len(lost)
         self.metrics.lease_losses.labels("before_send").inc(len(lost))

@@ -14,7 +14,13 @@ from psycopg.pq import TransactionStatus
 import outbox
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
 from publisher.store import claim_statement
-from tests.support import ClaimingStore, fetch_rows, wait_until, waiting_on_lock
+from tests.support import (
+    ClaimingStore,
+    fetch_rows,
+    run_outbox_cli,
+    wait_until,
+    waiting_on_lock,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -113,3 +119,75 @@ def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
     assert isinstance(refused, DecisionRefused)
     assert f"message {message_id} is in_flight" in str(refused)
     assert fetch_rows(database_url, "SELECT count(*) FROM outbox.decisions") == [(0,)]
+
+
+def test_a_claim_that_waited_for_a_discard_does_not_send_the_discarded_message(
+    database_url: str,
+) -> None:
+    """A claim that began while a discard held its lane waits for it, then reads the messages
+    with the snapshot it began with: its batch names the discarded message. Marking the batch
+    sending (a fresh snapshot) leaves it out, so it is never sent."""
+    with psycopg.connect(database_url) as conn:
+        discarded, kept = outbox.enqueue_many(
+            conn, [outbox.Message("t", b"1", key="a"), outbox.Message("t", b"2", key="b")]
+        )
+    store = _claiming_store_with_lock_timeout(database_url)
+    name = f"outbox-publisher {store.publisher_id}"  # the store's application_name
+    claimed: list[Any] = []
+    try:
+        with psycopg.connect(database_url) as operator:
+            operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
+            discard(operator, discarded, "obsolete", fence=_fence(database_url, discarded))
+            claimer = threading.Thread(target=lambda: claimed.append(store.claim(10, 30.0)))
+            claimer.start()
+            wait_until(
+                lambda: waiting_on_lock(database_url, name),
+                timeout=10,
+                what="the claim to wait for the decision",
+            )
+            operator.commit()
+        claimer.join(timeout=30)
+        assert not claimer.is_alive()
+        [batch] = claimed
+        assert batch is not None
+        assert [m.id for m in batch.messages] == [discarded, kept]  # read before the discard
+
+        held = store.mark_sending(batch, {"t": 1}, 30.0)
+
+        assert held == {kept}
+    finally:
+        store.close()
+    assert fetch_rows(
+        database_url, "SELECT state FROM outbox.messages WHERE id = %s", discarded
+    ) == [("discarded",)]
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE_READ", "SERIALIZABLE"])
+def test_a_decision_outside_read_committed_is_refused(database_url: str, level: str) -> None:
+    """At REPEATABLE READ or SERIALIZABLE a decision's snapshot, taken before it waits for a
+    claim, would not see that claim's batch: the decision is refused, nothing moves."""
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, "t", b"payload")
+    with psycopg.connect(database_url) as operator:
+        operator.isolation_level = psycopg.IsolationLevel[level]
+        with pytest.raises(DecisionRefused, match="operator decisions run at READ COMMITTED"):
+            discard(operator, message_id, "obsolete")
+    assert fetch_rows(
+        database_url, "SELECT state FROM outbox.messages WHERE id = %s", message_id
+    ) == [("pending",)]
+    assert fetch_rows(database_url, "SELECT count(*) FROM outbox.decisions") == [(0,)]
+
+
+def test_the_cli_decides_at_read_committed_whatever_the_servers_default(
+    database_url: str,
+) -> None:
+    """`outbox discard` pins its connection to READ COMMITTED, so a database whose default
+    is REPEATABLE READ does not refuse (or endanger) its decisions."""
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, "t", b"payload")
+    url = make_conninfo(database_url, options="-c default_transaction_isolation=serializable")
+    done = run_outbox_cli(url, "discard", str(message_id), "--reason", "obsolete")
+    assert done.returncode == 0, done.stderr
+    assert fetch_rows(
+        database_url, "SELECT state FROM outbox.messages WHERE id = %s", message_id
+    ) == [("discarded",)]

@@ -496,6 +496,42 @@ def test_resolve_pending_before_the_write_deadline_is_refused_unless_forced(
     assert decision[5] == {"forced_before_deadline": True}
 
 
+@pytest.mark.parametrize("command", [("discard",), ("resolve", "--discard")])
+def test_discarding_an_uncertain_message_before_the_write_deadline_is_refused_unless_forced(
+    database_url: str, command: tuple[str, ...]
+) -> None:
+    """A discard releases the key: while the record may still be written, a later message of
+    the key could be sent first and the discarded one land after it. Refused (exit 2, naming
+    the deadline); resolve --discard --force-before-deadline decides anyway."""
+    message_id = _enqueue(database_url)
+    make_uncertain(database_url, longest_send_seconds=600)
+    fence = _fence(database_url, message_id)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+
+    refused = _outbox(*command[:1], str(message_id), *command[1:], "--reason", "obsolete",
+                      url=database_url)  # fmt: skip
+
+    _assert_refused(refused, database_url, before)
+    assert "may still be written by the producer that sent it until" in refused.stderr
+    assert "after later messages of the key" in refused.stderr
+
+    forced = _outbox(
+        "resolve",
+        str(message_id),
+        "--discard",
+        "--fence",
+        fence,
+        "--force-before-deadline",
+        "--reason",
+        "obsolete, and its producer host is gone for good",
+        url=database_url,
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert _state(database_url, message_id)[0] == "discarded"
+    [decision] = _decisions(database_url)
+    assert decision[5] == {"forced_before_deadline": True}
+
+
 def test_resolve_pending_of_an_unfenced_transaction_names_the_reconciler(
     database_url: str,
 ) -> None:
