@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -30,6 +31,27 @@ def _claiming_store_with_lock_timeout(database_url: str) -> ClaimingStore:
     store = ClaimingStore(make_conninfo(database_url, options="-c lock_timeout=5s"), uuid.uuid4())
     store.take_all_lanes()
     return store
+
+
+def _run_while_held(
+    holder: psycopg.Connection[Any],
+    target: Callable[[], object],
+    database_url: str,
+    application_name: str,
+    what: str,
+) -> None:
+    """Run ``target`` in a thread until its session waits on a lock ``holder``'s open
+    transaction holds; then commit ``holder`` and wait for ``target`` to finish."""
+    thread = threading.Thread(target=target)
+    thread.start()
+    wait_until(
+        lambda: waiting_on_lock(database_url, application_name),
+        timeout=10,
+        what=f"{what} to wait on a lock",
+    )
+    holder.commit()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 def _fence(database_url: str, message_id: uuid.UUID) -> Any:
@@ -103,16 +125,7 @@ def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
                 },
             ).fetchall()
             assert [row[0] for row in claimed] == [message_id]
-            decider = threading.Thread(target=decide)
-            decider.start()
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the decision to wait for the claim",
-            )
-            claiming.commit()
-        decider.join(timeout=30)
-        assert not decider.is_alive()
+            _run_while_held(claiming, decide, database_url, name, "the decision")
     finally:
         store.close()
     [refused] = outcome
@@ -138,16 +151,13 @@ def test_a_claim_that_waited_for_a_discard_does_not_send_the_discarded_message(
         with psycopg.connect(database_url) as operator:
             operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
             discard(operator, discarded, "obsolete", fence=_fence(database_url, discarded))
-            claimer = threading.Thread(target=lambda: claimed.append(store.claim(10, 30.0)))
-            claimer.start()
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the claim to wait for the decision",
+            _run_while_held(
+                operator,
+                lambda: claimed.append(store.claim(10, 30.0)),
+                database_url,
+                name,
+                "the claim",
             )
-            operator.commit()
-        claimer.join(timeout=30)
-        assert not claimer.is_alive()
         [batch] = claimed
         assert batch is not None
         assert [m.id for m in batch.messages] == [discarded, kept]  # read before the discard

@@ -479,10 +479,17 @@ def test_resolve_pending_before_the_write_deadline_is_refused_unless_forced(
     )
     assert "--force-before-deadline" in refused.stderr
 
+    _assert_forced(database_url, message_id, fence, "pending")
+
+
+def _assert_forced(database_url: str, message_id: uuid.UUID, fence: str, to_state: str) -> None:
+    """``resolve --pending|--discard --force-before-deadline`` decides, recording that it
+    was forced."""
+    resolution = "--pending" if to_state == "pending" else "--discard"
     forced = _outbox(
         "resolve",
         str(message_id),
-        "--pending",
+        resolution,
         "--fence",
         fence,
         "--force-before-deadline",
@@ -491,7 +498,7 @@ def test_resolve_pending_before_the_write_deadline_is_refused_unless_forced(
         url=database_url,
     )
     assert forced.returncode == 0, forced.stderr
-    assert _state(database_url, message_id)[0] == "pending"
+    assert _state(database_url, message_id)[0] == to_state
     [decision] = _decisions(database_url)
     assert decision[5] == {"forced_before_deadline": True}
 
@@ -515,21 +522,7 @@ def test_discarding_an_uncertain_message_before_the_write_deadline_is_refused_un
     assert "may still be written by the producer that sent it until" in refused.stderr
     assert "after later messages of the key" in refused.stderr
 
-    forced = _outbox(
-        "resolve",
-        str(message_id),
-        "--discard",
-        "--fence",
-        fence,
-        "--force-before-deadline",
-        "--reason",
-        "obsolete, and its producer host is gone for good",
-        url=database_url,
-    )
-    assert forced.returncode == 0, forced.stderr
-    assert _state(database_url, message_id)[0] == "discarded"
-    [decision] = _decisions(database_url)
-    assert decision[5] == {"forced_before_deadline": True}
+    _assert_forced(database_url, message_id, fence, "discarded")
 
 
 def test_resolve_pending_of_an_unfenced_transaction_names_the_reconciler(
