@@ -240,7 +240,8 @@ def _parser() -> argparse.ArgumentParser:
         "see it twice if it was in Kafka after all); --discard: never deliver it. The decision "
         "names the fence it was made from (--fence, as `outbox inspect ID` shows it; required "
         "with --delivered and --pending) and is refused if the message changed since. "
-        "--pending is refused while the record of an uncertain message may still be written: "
+        "--pending and --discard are refused while the record of an uncertain message may "
+        "still be written: "
         "before its write deadline, or, sent in a Kafka transaction, until its session is "
         "fenced (`outbox-publisher reconcile` fences it and decides the message).",
     )
@@ -290,7 +291,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Decide that one message will not be delivered. Later messages of its key "
         "then go on without it, so consumers see the key's stream with a gap. Recorded with "
         "the reason. With --fence, only if the message has not changed since you read that "
-        "fence.",
+        "fence. An uncertain message is refused while its record may still be written (before "
+        "its write deadline, or until its Kafka transaction session is fenced): it could land "
+        "after later messages of its key.",
     )
     discard_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     discard_cmd.add_argument("--reason", required=True, help="why; stored with the decision")

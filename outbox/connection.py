@@ -214,7 +214,9 @@ def executor_for(conn: object) -> Executor:
     if isinstance(conn, psycopg.Connection):
         if conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # In pipeline mode the transaction's status is known only at a sync point.
-            with conn.pipeline() as pipeline:
+            # A statement of the caller's that failed meanwhile raises here: the
+            # status then says the transaction failed, as the check reports.
+            with suppress(psycopg.Error), conn.pipeline() as pipeline:
                 pipeline.sync()
         _check_transaction(conn)
         return PsycopgExecutor(conn)
@@ -229,8 +231,9 @@ async def async_executor_for(conn: object) -> AsyncExecutor:
     """Return an executor for the async ``conn`` after checking its transaction."""
     if isinstance(conn, psycopg.AsyncConnection):
         if conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            async with conn.pipeline() as pipeline:
-                await pipeline.sync()
+            with suppress(psycopg.Error):
+                async with conn.pipeline() as pipeline:
+                    await pipeline.sync()
         _check_transaction(conn)
         return AsyncPsycopgExecutor(conn)
     if isinstance(conn, psycopg.Connection):
@@ -250,7 +253,7 @@ def _sqlalchemy_executor(conn: object) -> Executor:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
-    conn = _unscoped(conn)
+    conn = unscoped(conn)
     if isinstance(conn, AsyncSession | AsyncConnection):
         raise _wrong_kind(conn, "an async connection", _ASYNC_HINT)
     if isinstance(conn, Session):
@@ -267,7 +270,7 @@ async def _async_sqlalchemy_executor(conn: object) -> AsyncExecutor:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
-    conn = _unscoped(conn)
+    conn = unscoped(conn)
     if isinstance(conn, Session | Connection):
         raise _wrong_kind(conn, "a synchronous connection", _SYNC_HINT)
     if isinstance(conn, AsyncSession):
@@ -280,7 +283,7 @@ async def _async_sqlalchemy_executor(conn: object) -> AsyncExecutor:
     return AsyncSQLAlchemyExecutor(conn)
 
 
-def _unscoped(conn: object) -> object:
+def unscoped(conn: object) -> object:
     """The current session of a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
     ``async_scoped_session``; anything else as it is."""
     from sqlalchemy.ext.asyncio import async_scoped_session  # noqa: PLC0415

@@ -201,7 +201,8 @@ def encode_headers(
             encoded = bytes(value)
         else:
             raise InvalidHeaders(
-                f"header {name!r} has a {type(value).__name__} value; it must be bytes or str"
+                f"header {name!r} has a {type(value).__name__} value; it must be bytes "
+                "(or bytearray, memoryview) or str"
             )
         total += len(name.encode()) + len(encoded)
         if total > max_header_bytes:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 
-from outbox.connection import Executor, executor_for
+from outbox.connection import Executor, executor_for, unscoped
 from outbox.errors import MigrationError
 from outbox.redaction import connect_errors_redacted
 
@@ -193,6 +193,8 @@ class _Target:
     def __init__(self, conn: object) -> None:
         # Checks the driver (psycopg 3) and that a usable transaction is open.
         self.executor: Executor = executor_for(conn)
+        if not isinstance(conn, psycopg.Connection):
+            conn = unscoped(conn)  # the session a scoped_session holds now
         self._conn: psycopg.Connection[Any] | SAConnection
         if isinstance(conn, psycopg.Connection):
             self._conn = conn
@@ -209,8 +211,10 @@ class _Target:
     def script(self, sql: str) -> None:
         """Run SQL holding several statements and literal ``%`` signs, without parameters."""
         if isinstance(self._conn, psycopg.Connection):
-            with self._conn.cursor() as cur:
-                cur.execute(sql.encode())
+            # A cursor of our own (not the connection's cursor_factory), never
+            # prepared: a script of several statements cannot be.
+            with psycopg.Cursor(self._conn) as cur:
+                cur.execute(sql.encode(), prepare=False)
         else:
             # no_parameters: the DBAPI gets the text alone, so psycopg neither
             # reads ``%`` as a placeholder nor rejects several statements.

@@ -334,13 +334,15 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
 
 
 #: What an uncertain message may become only once its record can no longer be
-#: written, and what doing it sooner risks: sent again, a second copy; discarded,
-#: its key released while the record may still land after later messages of the key.
+#: written, what doing it sooner risks (sent again, a second copy; discarded, its
+#: key released while the record may still land after later messages of the key),
+#: and the command that overrides the check.
 _WAITS_FOR_THE_WRITE_DEADLINE = {
-    State.PENDING: "sending it again now may deliver it twice",
+    State.PENDING: ("sending it again now may deliver it twice", "--force-before-deadline"),
     State.DISCARDED: (
         "discarding it now releases its key while its record may still be written, after "
-        "later messages of the key (and a discarded message would then be delivered)"
+        "later messages of the key (and a discarded message would then be delivered)",
+        "`outbox resolve ID --discard --force-before-deadline`",
     ),
 }
 
@@ -349,21 +351,21 @@ def _before_write_deadline(
     message_id: uuid.UUID, seen: _Seen, to_state: State
 ) -> BeforeWriteDeadline | None:
     """Refuse moving an uncertain message on while its record may still be written."""
-    risk = _WAITS_FOR_THE_WRITE_DEADLINE[to_state]
+    risk, override = _WAITS_FOR_THE_WRITE_DEADLINE[to_state]
     if seen.unfenced_session is not None:
         return BeforeWriteDeadline(
             f"message {message_id} was sent in the Kafka transaction of producer session "
             f"{seen.unfenced_session}, which has not been fenced: that session may still "
             f"commit its record, and {risk}. Run `outbox-publisher reconcile`: it fences the "
-            "session and decides the message from what Kafka committed "
-            "(--force-before-deadline overrides this check, unsafely)"
+            f"session and decides the message from what Kafka committed ({override} overrides "
+            "this check, unsafely)"
         )
     if seen.write_deadline is not None and seen.write_deadline > seen.checked_at:
         return BeforeWriteDeadline(
             f"message {message_id} may still be written by the producer that sent it until "
             f"{seen.write_deadline.isoformat()} (its write deadline): {risk}. Decide it from "
             "then on (`outbox-publisher reconcile` decides it from Kafka once the deadline has "
-            "passed); --force-before-deadline overrides this check, unsafely"
+            f"passed); {override} overrides this check, unsafely"
         )
     return None
 

@@ -151,7 +151,7 @@ WITH held AS (
 SELECT m.id
 FROM outbox.messages AS m
 -- Looked up by key, whatever the statistics say (see settle_batch).
-WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state = 'pending'
+WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state COLLATE "C" = 'pending'
 
 -- name: settle_batch
 -- Close the batch and record the outcome of each of its messages in one

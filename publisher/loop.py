@@ -886,9 +886,12 @@ class Publisher:
         )
 
     def _settle(self, batch: Batch, settlements: list[Settlement]) -> None:
-        """Record the outcomes, retrying through database outages while the lease lasts."""
-        if not settlements:
-            return
+        """Record the outcomes, retrying through database outages while the lease lasts.
+
+        With none to record (every message of the batch was recovered, or
+        decided by an operator, before sending began), the batch is still
+        closed: open, it would hold its keys back until its lease ran out.
+        """
         deadline = self._clock() + self.config.lease_seconds
         delay = 0.1
         while True:

@@ -446,7 +446,7 @@ class KafkaSink:
                     r.topic, value=r.value, key=r.key, headers=r.headers, partition=r.partition
                 )
             except Exception as exc:  # noqa: BLE001 - every refusal is classified, none is lost
-                if _transaction_failed(producer):
+                if _transaction_failed(producer, exc):
                     # Refused for an earlier record's failure, as is every later one.
                     in_flight.entries.extend(transaction_failed() for _ in records[index:])
                     break
@@ -541,10 +541,19 @@ class KafkaSink:
             producer.close(timeout=self._config.request_timeout_ms / 1000)
 
 
-def _transaction_failed(producer: Any) -> bool:
-    """Whether this producer's transaction failed, so that it refuses every send until the abort."""
+def _transaction_failed(producer: Any, exc: Exception) -> bool:
+    """Whether ``send`` refused a record because the producer's transaction had failed.
+
+    Its transaction manager then raises a plain ``KafkaError``; a record
+    refused for what it is (its size, say) raises a subclass, and keeps it.
+    """
     manager = getattr(producer, "_transaction_manager", None)
-    return manager is not None and manager.is_transactional() and manager.has_error()
+    return (
+        type(exc) is kafka_errors.KafkaError
+        and manager is not None
+        and manager.is_transactional()
+        and manager.has_error()
+    )
 
 
 def _fenced(producer: Any) -> bool:

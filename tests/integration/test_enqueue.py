@@ -230,6 +230,20 @@ def test_failed_transaction_is_reported_before_sql(database_url: str) -> None:
             outbox.enqueue(conn, "orders", b"x")
 
 
+def test_in_pipeline_mode_a_failed_statement_is_reported_before_sql(database_url: str) -> None:
+    """In pipeline mode the caller's failed statement is known only at a sync point: enqueue
+    syncs, then says the transaction must be rolled back, as outside pipeline mode."""
+    with psycopg.connect(database_url) as conn:
+        with conn.pipeline():
+            conn.execute("SELECT 1 / 0")  # queued: it fails at the next sync
+            with pytest.raises(outbox.TransactionAborted):
+                outbox.enqueue(conn, "orders", b"x")
+        conn.rollback()
+        outbox.enqueue(conn, "orders", b"after the rollback")
+        conn.commit()
+    assert [row[3] for row in _rows(database_url)] == [b"after the rollback"]
+
+
 def test_other_connection_types_are_refused(database_url: str) -> None:
     """Something that is not a supported connection raises a clear error."""
     with pytest.raises(outbox.ConnectionNotSupported, match="psycopg 3 Connection"):

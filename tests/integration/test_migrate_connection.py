@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from outbox.errors import MigrationError, NoOpenTransaction
 from outbox.migrations import (
@@ -69,6 +69,26 @@ def test_sqlalchemy_session_and_connection(empty_database_url: str) -> None:
     finally:
         engine.dispose()
     assert _version(empty_database_url) == LATEST
+
+
+def test_a_scoped_session_and_a_connection_prepared_at_once(empty_database_url: str) -> None:
+    """A scoped_session (Flask-SQLAlchemy's db.session) migrates through the session it holds;
+    a psycopg connection that prepares every statement (prepare_threshold=0) runs the scripts
+    unprepared, and finds nothing left to apply."""
+    engine = _engine(empty_database_url)
+    scoped = scoped_session(sessionmaker(engine))
+    try:
+        with scoped.begin():
+            assert _versions(migrate_connection(scoped)) == list(range(1, LATEST + 1))
+    finally:
+        scoped.remove()
+        engine.dispose()
+    with psycopg.connect(empty_database_url, prepare_threshold=0) as conn:
+        assert migrate_connection(conn) == []
+    with psycopg.connect(empty_database_url, prepare_threshold=0) as conn:
+        conn.execute("DROP SCHEMA outbox CASCADE")
+        assert _versions(migrate_connection(conn)) == list(range(1, LATEST + 1))
+        conn.rollback()
 
 
 def test_after_outbox_migrate_there_is_nothing_left_to_apply(database_url: str) -> None:

@@ -201,3 +201,35 @@ def test_the_cli_decides_at_read_committed_whatever_the_servers_default(
     assert fetch_rows(
         database_url, "SELECT state FROM outbox.messages WHERE id = %s", message_id
     ) == [("discarded",)]
+
+
+def test_a_batch_whose_only_message_was_discarded_is_closed_without_it(
+    database_url: str,
+) -> None:
+    """The claim that waited for the discard names only the discarded message: the mark
+    holds nothing, and settling nothing closes the batch, so it holds no key back."""
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, "t", b"1", key="a")
+    store = _claiming_store_with_lock_timeout(database_url)
+    claimed: list[Any] = []
+    try:
+        with psycopg.connect(database_url) as operator:
+            operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
+            discard(operator, message_id, "obsolete", fence=_fence(database_url, message_id))
+            _run_while_held(
+                operator,
+                lambda: claimed.append(store.claim(10, 30.0)),
+                database_url,
+                f"outbox-publisher {store.publisher_id}",
+                "the claim",
+            )
+        [batch] = claimed
+        assert batch is not None
+        assert store.mark_sending(batch, {"t": 1}, 30.0) == set()
+
+        assert store.settle(batch, []) == set()
+    finally:
+        store.close()
+    assert fetch_rows(
+        database_url, "SELECT settled_at IS NOT NULL FROM outbox.batches WHERE id = %s", batch.id
+    ) == [(True,)]

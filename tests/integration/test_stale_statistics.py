@@ -128,6 +128,20 @@ def test_recovery_and_settles_look_messages_up_by_key(
         _assert_looked_up_by_key(
             _plan(
                 conn,
+                query("mark_sending"),
+                {
+                    "batch_id": batch.id,
+                    "owner": store.publisher_id,
+                    "longest_send_seconds": 30.0,
+                    "transactional_id": None,
+                    "partition_counts": Jsonb({"t": 1}),
+                    "topics": ["t"],
+                },
+            )
+        )
+        _assert_looked_up_by_key(
+            _plan(
+                conn,
                 query("settle_batch"),
                 _settle_batch_params(store, batch, delivered=False),
             )

@@ -593,6 +593,20 @@ def test_a_settlement_the_store_did_not_apply_counts_as_stale() -> None:
     assert (publisher.totals.stale, publisher.totals.delivered) == (1, 1)
 
 
+def test_a_batch_none_of_whose_messages_is_held_any_more_is_still_closed() -> None:
+    """Every message was decided (or recovered) before sending began: nothing is sent, and the
+    batch is settled with no outcome, which closes it: open, it would hold its keys back."""
+    message = _message()
+    _, store, sink, publisher = _setup(message)
+    store.lost_before_sending = {message.id}
+
+    publisher.run_once()
+
+    assert sink.sent == []
+    assert store.settled == [[]]
+    assert publisher.totals.stale == 1
+
+
 def test_a_message_refused_on_a_very_late_attempt_is_still_settled() -> None:
     """A message refused on its 1,100th attempt is settled pending with a capped delay."""
     late = _message(attempt=1_100)
@@ -984,7 +998,9 @@ def test_a_transaction_whose_batch_was_recovered_before_sending_is_ended_empty()
     ends = [e for e in events if e in ("begin", "send", "commit", "abort")]
     assert ends == ["begin", "abort", "begin", "send", "commit"]
     assert publisher.totals.stale == 1
-    assert [[s.state for s in settled] for settled in store.settled] == [[State.DELIVERED]]
+    # The lost batch is settled with nothing to record (its close changes nothing once
+    # recovery closed it); the next one delivers.
+    assert [[s.state for s in settled] for settled in store.settled] == [[], [State.DELIVERED]]
 
 
 def test_a_transaction_whose_mark_failed_is_aborted_so_the_next_batch_can_begin_one() -> None:

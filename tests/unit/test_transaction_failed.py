@@ -88,6 +88,26 @@ def test_kafka_python_reports_the_sends_refused_after_the_transaction_failed() -
     assert all(isinstance(e, SendReport) and not e.handed_to_producer for e in refused)
 
 
+def test_kafka_python_keeps_a_records_own_refusal_in_a_failed_transaction() -> None:
+    """A record refused for what it is (its size) keeps that error, even once the transaction
+    failed: only the transaction manager's own refusal is TransactionFailed."""
+    sink = KafkaSink(KafkaSinkConfig("127.0.0.1:1", transactional_id_prefix="outbox-test"))
+    producer = _TransactionalProducer()
+    producer._transaction_manager.transition_to_abortable_error(
+        kafka_errors.InvalidRecordError("an earlier record needs a key")
+    )
+
+    def too_large(*_: Any, **__: Any) -> Any:
+        raise kafka_errors.MessageSizeTooLargeError("the record is 2,000,000 bytes")
+
+    producer.send = too_large  # type: ignore[method-assign]
+    sink._producer, sink._guard = producer, _Guard()  # type: ignore[assignment]
+
+    in_flight = sink.send(_records(1))
+
+    assert [type(e.error) for e in in_flight.entries] == [kafka_errors.MessageSizeTooLargeError]
+
+
 def test_kafka_python_reports_an_ordinary_refusal_as_it_was() -> None:
     """Without a failed transaction, a refused send keeps its own error (classified as usual)."""
     sink = KafkaSink(KafkaSinkConfig("127.0.0.1:1"))
