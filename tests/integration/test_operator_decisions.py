@@ -14,7 +14,7 @@ from psycopg.pq import TransactionStatus
 
 import outbox
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
-from publisher.store import claim_statement
+from publisher.store import Batch, claim_statement
 from tests.support import (
     ClaimingStore,
     fetch_rows,
@@ -134,6 +134,27 @@ def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
     assert fetch_rows(database_url, "SELECT count(*) FROM outbox.decisions") == [(0,)]
 
 
+def _claim_while_discarding(
+    database_url: str, store: ClaimingStore, message_id: uuid.UUID
+) -> Batch:
+    """Discard ``message_id`` in a transaction held open until a claim of its lane waits for
+    it; commit; return what that claim took (read with the snapshot it began with)."""
+    claimed: list[Batch | None] = []
+    with psycopg.connect(database_url) as operator:
+        operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
+        discard(operator, message_id, "obsolete", fence=_fence(database_url, message_id))
+        _run_while_held(
+            operator,
+            lambda: claimed.append(store.claim(10, 30.0)),
+            database_url,
+            f"outbox-publisher {store.publisher_id}",  # the store's application_name
+            "the claim",
+        )
+    [batch] = claimed
+    assert batch is not None
+    return batch
+
+
 def test_a_claim_that_waited_for_a_discard_does_not_send_the_discarded_message(
     database_url: str,
 ) -> None:
@@ -145,21 +166,8 @@ def test_a_claim_that_waited_for_a_discard_does_not_send_the_discarded_message(
             conn, [outbox.Message("t", b"1", key="a"), outbox.Message("t", b"2", key="b")]
         )
     store = _claiming_store_with_lock_timeout(database_url)
-    name = f"outbox-publisher {store.publisher_id}"  # the store's application_name
-    claimed: list[Any] = []
     try:
-        with psycopg.connect(database_url) as operator:
-            operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
-            discard(operator, discarded, "obsolete", fence=_fence(database_url, discarded))
-            _run_while_held(
-                operator,
-                lambda: claimed.append(store.claim(10, 30.0)),
-                database_url,
-                name,
-                "the claim",
-            )
-        [batch] = claimed
-        assert batch is not None
+        batch = _claim_while_discarding(database_url, store, discarded)
         assert [m.id for m in batch.messages] == [discarded, kept]  # read before the discard
 
         held = store.mark_sending(batch, {"t": 1}, 30.0)
@@ -211,20 +219,8 @@ def test_a_batch_whose_only_message_was_discarded_is_closed_without_it(
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(conn, "t", b"1", key="a")
     store = _claiming_store_with_lock_timeout(database_url)
-    claimed: list[Any] = []
     try:
-        with psycopg.connect(database_url) as operator:
-            operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
-            discard(operator, message_id, "obsolete", fence=_fence(database_url, message_id))
-            _run_while_held(
-                operator,
-                lambda: claimed.append(store.claim(10, 30.0)),
-                database_url,
-                f"outbox-publisher {store.publisher_id}",
-                "the claim",
-            )
-        [batch] = claimed
-        assert batch is not None
+        batch = _claim_while_discarding(database_url, store, message_id)
         assert store.mark_sending(batch, {"t": 1}, 30.0) == set()
 
         assert store.settle(batch, []) == set()
