@@ -501,8 +501,9 @@ SELECT current_setting('transaction_isolation')
 -- message: at READ COMMITTED, the only level decisions run at (a snapshot
 -- taken before the wait would not see that claim's batch). A claim that
 -- waited here reads the message as it was before the decision; mark_sending
--- drops it from the batch. A decision refused after this (the message changed meanwhile)
--- rolls its transaction, or savepoint, back, which releases both locks.
+-- drops it from the batch. A decision refused after this (the message changed
+-- meanwhile) rolls its transaction, or savepoint, back, which releases both
+-- locks.
 SELECT l.lane
 FROM outbox.messages AS m
 JOIN outbox.lanes AS l ON l.lane = m.lane
