@@ -29,10 +29,18 @@ A message sent in a Kafka transaction (``--delivery transactional``) is
 decided without waiting for a write deadline or a grace: first the
 transactional.id its batch was sent under is fenced (``publisher.fencing``),
 so that session's open transaction is aborted or its commit completed and it
-can write nothing more; then the partition is read read_committed, once no
-transaction is open below the end offset seen after the fence. Found:
-``delivered``; absent: never committed, ``pending``. A session that cannot be
-fenced now (the broker is away) leaves its messages uncertain for a later pass.
+can write nothing more; then the partition is read up to the end offset seen
+after the fence. Found: ``delivered``; absent: never committed, ``pending``. A
+session that cannot be fenced now (the broker is away) leaves its messages
+uncertain for a later pass.
+
+Every range is read read_committed, in both delivery modes: a record of an
+aborted transaction was never delivered to the consumers that matter, so it is
+no evidence. One can carry the message's own id when an earlier attempt was
+sent in a transaction that aborted and the delivery mode changed since; or
+another transactional producer's records share the topic. Such a read reaches
+only up to the last stable offset: a transaction still open lower down (another
+publisher's) holds the rest of the range for a later pass.
 
 Every decision is written to ``outbox.decisions`` with its evidence.
 """
@@ -240,15 +248,9 @@ class Reconciler:
             return policy[0]
 
         for partition, group in by_partition.items():
-            # Records of fenced sessions are read committed; the others as written.
-            for committed in (False, True):
-                part = [m for m in group if (m.transactional_id is not None) is committed]
-                if part:
-                    decisions.extend(
-                        self._decide_partition(
-                            topic, partition, part, report, cleanup_policy, committed=committed
-                        )
-                    )
+            decisions.extend(
+                self._decide_partition(topic, partition, group, report, cleanup_policy)
+            )
             self.progress()
         return decisions
 
@@ -274,16 +276,6 @@ class Reconciler:
                 self._fenced.add(transactional_id)
         report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
         return [m for m in due if m.transactional_id not in unfenced]
-
-    def _stable_up_to(self, topic: str, partition: int) -> int:
-        """The partition's last stable offset: read_committed reads only below it.
-
-        The fenced sessions wrote below the bound (observed after the fence):
-        their records are committed or aborted now. But another publisher's
-        open transaction holds the last stable offset down until it ends.
-        """
-        _, stable = self.scanner.offset_range(topic, partition, committed=True)
-        return stable
 
     def _range_of(self, message: UncertainMessage, topic: str, partition: int, end: int) -> _Range:
         """The message's range as read so far, its bound taken now if it is due.
@@ -370,8 +362,6 @@ class Reconciler:
         messages: Sequence[UncertainMessage],
         report: ReconcileReport,
         cleanup_policy: Callable[[], set[str] | None],
-        *,
-        committed: bool = False,
     ) -> list[Decision]:
         log_start, end = self.scanner.offset_range(topic, partition)
         decisions: list[Decision] = []
@@ -392,20 +382,6 @@ class Reconciler:
             fixed = ranges[m.id].target
             return end if fixed is None else fixed
 
-        if committed and messages:
-            stable = self._stable_up_to(topic, partition)
-            waiting = [m for m in messages if stable < target(m)]
-            if waiting:
-                log.info(
-                    "%s[%d]: a transaction is open below offset %d (stable up to %d); "
-                    "deciding later",
-                    topic,
-                    partition,
-                    max(target(m) for m in waiting),
-                    stable,
-                )
-                report.deferred.extend(m.id for m in waiting)
-                messages = [m for m in messages if stable >= target(m)]
         if not messages:
             return decisions
         for m in messages:
@@ -421,7 +397,10 @@ class Reconciler:
         lost: EvidenceLost | None = None
         if unread:
             scan_from = min(ranges[m.id].position for m in unread)
-            scan_to = max(target(m) for m in unread)
+            scan_to = self._stable_to(topic, partition, max(target(m) for m in unread))
+            if scan_to <= scan_from:
+                unread = []  # nothing more is stable yet: a later pass reads on
+        if unread:
             read_to = scan_to
             try:
                 scan = self.scanner.find(
@@ -431,7 +410,6 @@ class Reconciler:
                     scan_to,
                     [str(m.id) for m in unread],
                     keys={m.key for m in unread if m.key is not None},
-                    committed=committed,
                 )
             except ScanIncomplete as exc:
                 # What it read counts: the next pass goes on from there, so a
@@ -538,6 +516,29 @@ class Reconciler:
                     )
                 )
         return decisions
+
+    def _stable_to(self, topic: str, partition: int, to: int) -> int:
+        """Up to where ``[.., to)`` can be read now: ``to``, or the last stable offset below it.
+
+        Scans read read_committed, so that a record of an aborted transaction
+        (an earlier attempt sent in a transaction before the delivery mode
+        changed, or another producer's) never counts as delivered. Below the
+        last stable offset every transaction has ended, committed or aborted;
+        a transaction still open (another publisher's, or another producer's
+        on a shared topic) holds it down until it ends. What lies below is read
+        now, and the rest of the range by a later pass.
+        """
+        _, stable = self.scanner.offset_range(topic, partition, committed=True)
+        if stable < to:
+            log.info(
+                "%s[%d]: a transaction is open below offset %d (stable up to %d); "
+                "the rest of the range is read later",
+                topic,
+                partition,
+                to,
+                stable,
+            )
+        return min(stable, to)
 
     def _warn_foreign(self, topic: str, partition: int, scan: Scan) -> None:
         """Report another producer's ``outbox-id`` headers, once per partition."""

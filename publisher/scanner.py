@@ -129,12 +129,14 @@ class LogScanner(Protocol):
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
-        committed: bool = False,
     ) -> Scan:
         """Read ``[start, end)`` once, for records of ``ids`` and the records of ``keys``.
 
-        With ``committed``, only records of committed transactions (and of no
-        transaction) are read: read_committed.
+        Only what a read_committed consumer reads counts: records of no
+        transaction and of committed ones. A record of an aborted transaction
+        was never delivered, whoever wrote it (an earlier attempt of the same
+        message, sent in a transaction before the delivery mode changed, or
+        another producer). ``end`` must not be past the last stable offset.
 
         Records count as ``Scan.add`` counts them: one whose ``outbox-id``
         holds no message id is skipped, never an error. Raises
@@ -171,7 +173,8 @@ class KafkaLogScanner:
         self._bootstrap_servers = bootstrap_servers
         self._security = security
         self._timeout = timeout_seconds
-        #: One consumer per isolation level (read_committed: True), opened on first use.
+        #: One consumer per isolation level (read_committed: True), opened on first
+        #: use: scans read read_committed; the other answers the high watermark.
         self._open: dict[bool, KafkaConsumer] = {}
         self._admin: KafkaAdminClient | None = None
 
@@ -231,18 +234,15 @@ class KafkaLogScanner:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
-        committed: bool = False,
     ) -> Scan:
-        """Read ``[start, end)`` once: the offsets of wanted ids, the ids of wanted keys.
-
-        With ``committed``, records of aborted (or open) transactions are not read.
-        """
+        """Read ``[start, end)`` once, read_committed: the offsets of wanted ids, the ids
+        of wanted keys."""
         wanted = {i.encode() for i in ids}
         wanted_keys = set(keys)
         scan = Scan()
         if start >= end or not wanted:
             return scan
-        consumer = self._consumer_for(committed=committed)
+        consumer = self._consumer_for(committed=True)
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
         consumer.seek(tp, start)

@@ -619,6 +619,41 @@ def test_a_transactional_message_is_decided_at_once_after_the_fence(
     assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic)} == {committed, left_open}
 
 
+def test_an_aborted_record_of_an_earlier_attempt_is_no_evidence_after_a_mode_change(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """The delivery mode changed from transactional to idempotent. The message's first
+    attempt, in a transaction, wrote its record and died: the fence aborted it, and the
+    message went back to pending. Its retry, idempotent, is uncertain and wrote nothing.
+    The aborted record lies in the retry's range (nothing was confirmed since), where a
+    read_uncommitted consumer sees it. It proves nothing: no read_committed consumer
+    will ever read it, so the message is proven absent and sent again."""
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, topic, b"v", key="k")
+    session = f"outbox-{uuid.uuid4()}-1"
+    partition = make_uncertain_in_transaction(database_url, session)[message_id]
+    zombie = TransactionalSession(kafka_bootstrap, session)
+    try:
+        aborted_at = zombie.send(topic, partition, message_id, key=b"k")
+        first = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+    finally:
+        zombie.close()
+    assert first.pending == [message_id]
+    assert make_uncertain(database_url) == {message_id: partition}  # the idempotent retry
+
+    report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+
+    assert report.pending == [message_id]
+    assert report.delivered == report.escalated == report.deferred == []
+    assert _message(database_url, message_id)[0] == "pending"
+    evidence = _decisions(database_url)[-1][5]
+    assert (evidence["scan_from"], evidence["scan_to"]) == (0, aborted_at + 2)
+    assert [(r.offset, r.outbox_id) for r in read_topic(kafka_bootstrap, topic)] == [
+        (aborted_at, message_id)
+    ]
+    assert read_topic(kafka_bootstrap, topic, committed=True) == []
+
+
 def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:
     """A fence is tried from the publisher's loop: with no broker to answer it fails
     within its timeout, and the loop goes on."""
@@ -770,10 +805,9 @@ class _BusyPartitionScanner(KafkaLogScanner):
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
-        committed: bool = False,
     ) -> Scan:
         stop = min(end, start + self.per_pass)
-        scan = super().find(topic, partition, start, stop, ids, keys=keys, committed=committed)
+        scan = super().find(topic, partition, start, stop, ids, keys=keys)
         if stop < end:
             raise ScanIncomplete(
                 f"{topic}[{partition}] read up to {stop} of [{start}, {end})", scan, stop

@@ -71,8 +71,8 @@ class FakeScanner:
         self.scan = scan
         #: The last stable offset (read_committed's end); the log's end if None.
         self.stable = stable
-        #: Each scan's isolation: True for read_committed.
-        self.committed: list[bool] = []
+        #: Each scan's range, ``(start, end)``.
+        self.scans: list[tuple[int, int]] = []
         self.records = records
         self.log = log
         self.policy = policy
@@ -101,11 +101,11 @@ class FakeScanner:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
-        committed: bool = False,
     ) -> Scan:
         """The scripted scan (or the scripted records' of ``[start, end)``), or the
         evidence lost under it."""
-        self.committed.append(committed)
+        assert end <= (self.log[1] if self.stable is None else self.stable), "past the stable end"
+        self.scans.append((start, end))
         scan = self.scan
         if scan is None:
             scan = Scan()
@@ -328,7 +328,7 @@ def test_a_transactional_message_is_decided_after_its_session_is_fenced() -> Non
     fencer = FakeFencer()
     report = Reconciler(FakeStore([message]), scanner, "test", fencer=fencer).run_once()
     assert fencer.fenced == ["outbox-p-1"]
-    assert scanner.committed == [True]
+    assert scanner.scans == [(3, 10)]
     assert report.pending == [message.id]
 
 
@@ -348,7 +348,7 @@ def test_a_session_that_cannot_be_fenced_leaves_its_messages_undecided() -> None
     report = Reconciler(FakeStore([stuck, other]), scanner, "test", fencer=fencer).run_once()
     assert report.deferred == [stuck.id]
     assert report.pending == [other.id]
-    assert scanner.committed == [False]  # only the idempotent message's scan
+    assert scanner.scans == [(3, 10)]  # only the idempotent message's range
 
 
 def test_without_a_fencer_a_transactional_message_waits() -> None:
@@ -359,13 +359,19 @@ def test_without_a_fencer_a_transactional_message_waits() -> None:
     assert report.decided == 0
 
 
-def test_an_open_transaction_below_the_end_defers_the_decision() -> None:
-    """Another transaction still open below the end: read_committed cannot see past it yet."""
-    message = _sent_in_transaction()
+@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "idempotent"])
+def test_an_open_transaction_below_the_end_defers_the_decision(*, transactional: bool) -> None:
+    """Another transaction still open below the end: read_committed cannot see past it yet.
+    What is stable is read now, and the rest once the transaction has ended."""
+    message = _sent_in_transaction() if transactional else _uncertain(confirmed=2)
     scanner = FakeScanner(records=[], log=(0, 10), stable=6)
-    report = Reconciler(FakeStore([message]), scanner, "test", fencer=FakeFencer()).run_once()
-    assert report.deferred == [message.id]
-    assert scanner.committed == []
+    reconciler = Reconciler(FakeStore([message]), scanner, "test", fencer=FakeFencer())
+    first = reconciler.run_once()
+    assert first.deferred == [message.id]
+    assert scanner.scans == [(3, 6)]
+    scanner.stable = 10  # the other transaction has ended
+    assert reconciler.run_once().pending == [message.id]
+    assert scanner.scans == [(3, 6), (6, 10)]
 
 
 def test_a_session_is_fenced_once() -> None:
@@ -416,7 +422,11 @@ class BusyPartition:
     def offset_range(
         self, topic: str, partition: int, *, committed: bool = False
     ) -> tuple[int, int]:
-        """The log end, after the other producer appended ``growth`` more records."""
+        """The log end, after the other producer appended ``growth`` more records (at
+        each look at the high watermark; its records are in no transaction, so the last
+        stable offset is the end as it stands)."""
+        if committed:
+            return 0, self.end
         for offset in range(self.end, self.end + self.growth):
             self.records[offset] = (b"k" if offset in self.keyed_at else b"other", [])
         self.end += self.growth
@@ -431,7 +441,6 @@ class BusyPartition:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
-        committed: bool = False,
     ) -> Scan:
         """Read ``[start, end)``, or its first ``per_pass`` offsets and stop there."""
         self.scans.append((start, end))
