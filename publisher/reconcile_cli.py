@@ -131,7 +131,7 @@ def _reconcile(
                 f"(proven absent), {len(report.escalated)} escalated, "
                 f"{len(report.deferred)} deferred"
             )
-            if report.decided < reconciler.limit:
+            if not reconciler.pages_left:
                 break
         with connect(database_url) as conn:
             left = next(

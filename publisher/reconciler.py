@@ -173,14 +173,33 @@ class Reconciler:
         #: Each undecided message's range as read so far, by (id, fence): a
         #: later attempt of the message (a higher fence) has a range of its own.
         self._ranges: dict[tuple[uuid.UUID, int], _Range] = {}
+        #: Where the next pass's page begins: after this ``seq`` (0: the start).
+        self._after = 0
+
+    @property
+    def pages_left(self) -> bool:
+        """Whether the last pass's page was full: the next pass goes on after it."""
+        return self._after != 0
 
     def run_once(self) -> ReconcileReport:
-        """Decide every due uncertain message (up to ``limit``) and record the decisions."""
+        """Decide the next page of due uncertain messages (up to ``limit``) and record the
+        decisions.
+
+        Pages follow each other in key order from pass to pass, and the pass
+        after the last page starts over: a page whose messages all wait (a
+        session that cannot be fenced yet, a range read over many passes)
+        does not keep the messages after it waiting.
+        """
         report = ReconcileReport()
-        due = self.store.uncertain_due(self.limit, self.absence_grace)
-        if len(due) < self.limit:
-            # Ranges of messages no longer uncertain (decided elsewhere) are
-            # forgotten; with a full page, one beyond it may still be.
+        after = self._after
+        due = self.store.uncertain_due(self.limit, self.absence_grace, after=after)
+        if not due and after:
+            after = 0  # the last page was full, and nothing came after it: start over
+            due = self.store.uncertain_due(self.limit, self.absence_grace)
+        self._after = due[-1].seq if len(due) >= self.limit else 0
+        if after == 0 and len(due) < self.limit:
+            # Every due message is in this page: ranges of messages no longer
+            # uncertain (decided elsewhere) are forgotten.
             current = {(m.id, m.fence) for m in due}
             self._ranges = {k: r for k, r in self._ranges.items() if k in current}
         due = self._fence(due, report)

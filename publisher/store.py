@@ -379,13 +379,16 @@ class PublisherStore:
         rows = self.conn.execute(query("recover_expired_leases"), {"limit": limit}).fetchall()
         return [Recovered(row[0], State(row[1]), *row[2:]) for row in rows]
 
-    def uncertain_due(self, limit: int = 1000, grace: float = 0.0) -> list[UncertainMessage]:
-        """Uncertain, not escalated messages whose producer can no longer write.
+    def uncertain_due(
+        self, limit: int = 1000, grace: float = 0.0, *, after: int = 0
+    ) -> list[UncertainMessage]:
+        """Uncertain, not escalated messages whose producer can no longer write: the first
+        ``limit`` of them in key order (``seq``) after ``after``.
 
         Each says whether ``grace`` seconds have passed since, too.
         """
         rows = self.conn.execute(
-            query("uncertain_due"), {"limit": limit, "grace": float(grace)}
+            query("uncertain_due"), {"limit": limit, "grace": float(grace), "after": after}
         ).fetchall()
         return [UncertainMessage(*row) for row in rows]
 

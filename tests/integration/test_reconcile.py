@@ -654,6 +654,36 @@ def test_an_aborted_record_of_an_earlier_attempt_is_no_evidence_after_a_mode_cha
     assert read_topic(kafka_bootstrap, topic, committed=True) == []
 
 
+def test_pages_of_due_messages_follow_each_other_from_pass_to_pass(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """With a page of one message, and the first one waiting for a fence this reconciler
+    cannot take (it has no fencer), the second pass decides the second message, and the
+    third starts over."""
+    waits = _enqueue(database_url, topic)
+    make_uncertain_in_transaction(database_url, f"outbox-{uuid.uuid4()}-1")
+    absent = _enqueue(database_url, topic)
+    make_uncertain(database_url)
+    store = claiming_store(database_url)
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        reconciler = Reconciler(store, scanner, "test", absence_grace=0, limit=1)
+        reports = [reconciler.run_once() for _ in range(3)]
+    finally:
+        scanner.close()
+        store.close()
+
+    assert [(r.deferred, r.pending) for r in reports] == [
+        ([waits], []),
+        ([], [absent]),
+        ([waits], []),
+    ]
+    assert (_message(database_url, waits)[0], _message(database_url, absent)[0]) == (
+        "uncertain",
+        "pending",
+    )
+
+
 def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:
     """A fence is tried from the publisher's loop: with no broker to answer it fails
     within its timeout, and the loop goes on."""

@@ -33,9 +33,13 @@ class FakeStore(PublisherStore):
         #: Every decision applied, in order.
         self.decisions: list[Decision] = []
 
-    def uncertain_due(self, limit: int = 1000, grace: float = 0.0) -> list[UncertainMessage]:
-        """The prepared messages."""
-        return self.due
+    def uncertain_due(
+        self, limit: int = 1000, grace: float = 0.0, *, after: int = 0
+    ) -> list[UncertainMessage]:
+        """The prepared messages still undecided, a page of them in ``seq`` order."""
+        decided = {d.message_id for d in self.decisions}
+        due = sorted((m for m in self.due if m.id not in decided), key=lambda m: m.seq)
+        return [m for m in due if m.seq > after][:limit]
 
     def later_of_key(self, message_id: uuid.UUID, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
         """Those of ``ids`` declared later messages of the key."""
@@ -383,6 +387,27 @@ def test_a_session_is_fenced_once() -> None:
     reconciler.run_once()
     reconciler.run_once()
     assert fencer.fenced == ["outbox-p-1"]
+
+
+def test_a_page_of_messages_that_wait_does_not_keep_the_next_page_waiting() -> None:
+    """A full page of messages whose session cannot be fenced: the next pass goes on after
+    it, and decides the message there; the pass after that starts over."""
+    stuck = [replace(_sent_in_transaction("outbox-a-1"), seq=seq) for seq in (1, 2)]
+    other = replace(_uncertain(confirmed=2), seq=3)
+    scanner = FakeScanner(records=[])
+    fencer = FakeFencer(failing={"outbox-a-1"})
+    store = FakeStore([*stuck, other])
+    reconciler = Reconciler(store, scanner, "test", fencer=fencer, limit=2)
+
+    first = reconciler.run_once()
+    assert first.deferred == [m.id for m in stuck]
+    assert reconciler.pages_left
+    second = reconciler.run_once()
+    assert (second.pending, second.deferred) == ([other.id], [])
+    assert not reconciler.pages_left
+    third = reconciler.run_once()
+    assert third.deferred == [m.id for m in stuck]
+    assert [d.message_id for d in store.decisions] == [other.id]
 
 
 # --- a busy partition: the end moves on while the range is read ----------------
