@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import psycopg
 import psycopg.errors
@@ -30,7 +30,7 @@ from outbox.operator import operator_name
 from outbox.redaction import SecretSafeArgumentParser
 from outbox.states import State
 from outbox.status import read_status
-from publisher.config import SETTINGS, ConfigError, resolve
+from publisher.config import CONFIG_ENV, SETTINGS, ConfigError, PublisherConfig, resolve
 from publisher.connector import connect
 from publisher.fencing import KafkaFencer
 from publisher.kafka_security import KafkaAuthenticationFailed, KafkaSecurity, check_login
@@ -45,9 +45,15 @@ EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
 EXIT_ERROR = 2
 
-#: The publisher's Kafka security settings, which this command takes too (same
-#: flags, environment variables and password files).
-_SECURITY_SETTINGS = tuple(s for s in SETTINGS if s.group == "Kafka security")
+#: The publisher's settings this command takes too, with the same flags,
+#: environment variables, config file keys and password files: where to
+#: connect, how to log in to Kafka, and the absence grace. A deployment that
+#: sets a longer grace for its brokers gets it here as in the publisher.
+_SETTINGS = tuple(
+    s
+    for s in SETTINGS
+    if s.name in {"database_url", "kafka_bootstrap", "absence_grace"} or s.group == "Kafka security"
+)
 #: How long the command waits for Kafka to accept its login.
 _LOGIN_TIMEOUT_MS = 15_000
 
@@ -60,52 +66,39 @@ def _parser() -> argparse.ArgumentParser:
         "for every uncertain message whose producer can no longer write in its Kafka partition: "
         "found -> delivered, proven absent -> pending, evidence gone -> escalated to you. "
         "Publishers do this on their own at an interval; this runs one pass now.",
-        epilog="Exit codes: 0 none left uncertain; 1 some left uncertain (decide them with "
-        "`outbox resolve`, or wait for their producer's write deadline); 2 the command could "
-        "not run (the reason is on stderr). See docs/operations.md.",
+        epilog="Each setting is taken as outbox-publisher takes it: the flag, else the "
+        "environment variable in brackets, else the TOML file (--config), else the default "
+        "(docs/publisher.md). Exit codes: 0 none left uncertain; 1 some left uncertain (decide "
+        "them with `outbox resolve`, or wait for their producer's write deadline); 2 the "
+        "command could not run (the reason is on stderr). See docs/operations.md.",
     )
     parser.add_argument(
-        "--database-url",
-        default=os.environ.get("OUTBOX_DATABASE_URL"),
-        help="PostgreSQL URL, e.g. postgresql://user@host:5432/db (default: $OUTBOX_DATABASE_URL)",
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"read settings from this TOML file, as outbox-publisher does [{CONFIG_ENV}]",
     )
-    parser.add_argument(
-        "--kafka-bootstrap",
-        default=os.environ.get("OUTBOX_KAFKA_BOOTSTRAP"),
-        help="Kafka bootstrap servers, host:port[,...] (default: $OUTBOX_KAFKA_BOOTSTRAP)",
-    )
-    parser.add_argument(
-        "--absence-grace",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="seconds after a write deadline before a record's absence from Kafka is proof; "
-        "at least the brokers' replica.lag.time.max.ms (default: 30)",
-    )
-    security = parser.add_argument_group(
-        "Kafka security",
-        "as for outbox-publisher (docs/publisher.md, Kafka security); the passwords come from "
-        "OUTBOX_KAFKA_SASL_PASSWORD / OUTBOX_KAFKA_SSL_KEY_PASSWORD or their -file flags",
-    )
-    for s in _SECURITY_SETTINGS:
-        s.add_flag(security, show_default=False)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for s in _SETTINGS:
+        if s.group not in groups:
+            groups[s.group] = parser.add_argument_group(s.group)
+        s.add_flag(groups[s.group])
     return parser
 
 
-def _security(args: argparse.Namespace) -> KafkaSecurity:
-    """The Kafka security settings from the flags and the environment; ``ConfigError`` if wrong."""
-    given = {s.name: getattr(args, s.name) for s in _SECURITY_SETTINGS if hasattr(args, s.name)}
-    config = resolve(
-        {**given, "database_url": args.database_url, "kafka_bootstrap": args.kafka_bootstrap},
-        os.environ,
-        only={"database_url", "kafka_bootstrap", *(s.name for s in _SECURITY_SETTINGS)},
-    )
-    return KafkaSecurity.from_config(config)
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> PublisherConfig:
+    """This command's settings from its flags, the environment and the config file;
+    ``ConfigError`` naming every problem."""
+    environ = os.environ if environ is None else environ
+    given = vars(_parser().parse_args(argv))
+    config_file = given.pop("config", None) or environ.get(CONFIG_ENV) or None
+    return resolve(given, environ, config_file, only={s.name for s in _SETTINGS})
 
 
-def _reconcile(
-    database_url: str, kafka_bootstrap: str, absence_grace: float, security: KafkaSecurity
-) -> int:
+def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
+    database_url, kafka_bootstrap = config.database_url, config.kafka_bootstrap
     # Refused credentials end the command before anything is moved.
     check_login(kafka_bootstrap, security, timeout_ms=_LOGIN_TIMEOUT_MS)
     store = PublisherStore(database_url, uuid.uuid4())
@@ -121,7 +114,7 @@ def _reconcile(
             store,
             scanner,
             f"{operator_name()} ({COMMAND})",
-            absence_grace=absence_grace,
+            absence_grace=config.absence_grace,
             fencer=KafkaFencer(kafka_bootstrap, security=security),
         )
         while True:
@@ -153,19 +146,15 @@ def _reconcile(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``outbox-publisher reconcile`` (``argv`` without that word); return its exit code."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if not args.database_url:
-        parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
-    if not args.kafka_bootstrap:
-        parser.error("no Kafka: pass --kafka-bootstrap or set OUTBOX_KAFKA_BOOTSTRAP")
     try:
-        security = _security(args)
+        config = config_from_args(argv)
+        # Every Kafka client gets the same security settings (password files read once).
+        security = KafkaSecurity.from_config(config)
     except ConfigError as exc:
         print(f"{COMMAND}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        return _reconcile(args.database_url, args.kafka_bootstrap, args.absence_grace, security)
+        return _reconcile(config, security)
     except KafkaAuthenticationFailed as exc:
         print(f"{COMMAND}: {exc}", file=sys.stderr)
         return EXIT_ERROR

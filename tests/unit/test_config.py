@@ -12,6 +12,7 @@ import pytest
 from outbox.errors import OutboxError
 from publisher.cli import config_from_args
 from publisher.config import SETTINGS, ConfigError, PublisherConfig
+from publisher.reconcile_cli import config_from_args as reconcile_config
 
 VALID = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
 
@@ -392,3 +393,28 @@ def test_a_refused_file_value_overridden_by_a_flag_is_still_checked(tmp_path: Pa
         problems[0] == f'config file {path}: lease_seconds = "long" is a string, expected a number'
     )
     assert problems[1].startswith("lease (30s) must be longer than the longest a send can take")
+
+
+def test_reconcile_takes_the_absence_grace_as_the_publisher_does(tmp_path: Path) -> None:
+    """``outbox-publisher reconcile`` takes the absence grace from its flag, the
+    environment or the publisher's config file (whose other keys it ignores), and refuses
+    a negative one: a grace shorter than the brokers' could prove a present record absent."""
+    path = _write(tmp_path, "absence_grace = 90\nbatch_size = 11\n")
+    assert reconcile_config([], BASE_ENV).absence_grace == PublisherConfig.absence_grace
+    assert reconcile_config(["--config", path], BASE_ENV).absence_grace == 90.0
+    env = {**BASE_ENV, "OUTBOX_CONFIG": path, "OUTBOX_ABSENCE_GRACE": "120"}
+    assert reconcile_config([], env).absence_grace == 120.0
+    assert reconcile_config(["--absence-grace", "150"], env).absence_grace == 150.0
+    with pytest.raises(ConfigError) as caught:
+        reconcile_config(["--absence-grace", "-30"], BASE_ENV)
+    assert _problems(caught.value) == ["absence grace must be 0 or more, got -30.0"]
+
+
+def test_reconcile_names_what_is_missing() -> None:
+    """With no database or Kafka, every missing setting is named with its flag and variable."""
+    with pytest.raises(ConfigError) as caught:
+        reconcile_config([], {})
+    assert _problems(caught.value) == [
+        "database URL is missing (--database-url or OUTBOX_DATABASE_URL)",
+        "Kafka bootstrap servers are missing (--kafka-bootstrap or OUTBOX_KAFKA_BOOTSTRAP)",
+    ]
