@@ -13,6 +13,7 @@ installed with the ``publisher`` extra; ``outbox reconcile`` only says so.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import uuid
@@ -77,8 +78,8 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from exc
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, and finite, got {text}")
     return value
 
 

@@ -44,6 +44,8 @@ MIGRATION_LOCK_KEY = 0x6F7574626F78
 
 #: How long ``migrate`` waits for a lock before giving the attempt up.
 DEFAULT_LOCK_TIMEOUT = 5.0
+#: PostgreSQL's largest ``lock_timeout``, in seconds (2**31 - 1 milliseconds).
+MAX_LOCK_TIMEOUT = 2_147_483.647
 #: Attempts per migration before ``migrate`` fails, waiting 1 s, 2 s, ... in between.
 DEFAULT_LOCK_ATTEMPTS = 4
 _BACKOFF_SECONDS = 1.0
@@ -126,8 +128,11 @@ def migrate(
     stay applied, and nothing of the one that failed is. Returns those this
     call applied.
     """
-    if lock_timeout <= 0:
-        raise MigrationError(f"lock timeout must be positive, got {lock_timeout}")
+    if not 0 < lock_timeout <= MAX_LOCK_TIMEOUT:
+        raise MigrationError(
+            f"lock timeout must be more than 0 and at most {int(MAX_LOCK_TIMEOUT)} seconds "
+            f"(PostgreSQL's largest lock_timeout, about 24 days), got {lock_timeout}"
+        )
     if lock_attempts < 1:
         raise MigrationError(f"lock attempts must be at least 1, got {lock_attempts}")
     migrations = load_migrations()

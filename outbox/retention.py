@@ -56,6 +56,9 @@ DEFAULT_BATCH_SIZE = 1000
 #: refuses a window shorter than its own write deadline plus absence grace.
 MIN_DELIVERED_AGE = timedelta(minutes=5)
 
+#: The longest window a purge accepts.
+MAX_RETENTION = timedelta(weeks=520)
+
 _ZERO_ID = uuid.UUID(int=0)
 #: Key of the session advisory lock a purge holds (next to the migrations' one).
 PURGE_LOCK_KEY = MIGRATION_LOCK_KEY + 1
@@ -75,6 +78,12 @@ def parse_duration(text: str) -> timedelta:
     seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
     if seconds <= 0:
         raise ValueError(f"{text!r}: a retention period must be longer than zero")
+    if seconds > MAX_RETENTION.total_seconds():
+        # Also keeps the cut-off after 1970, where message ids (UUIDv7) begin.
+        raise ValueError(
+            f"{text!r}: a retention period must be at most {MAX_RETENTION.days // 7}w "
+            "(about ten years); to keep rows for ever, turn retention off"
+        )
     return timedelta(seconds=seconds)
 
 
@@ -121,6 +130,8 @@ def purge(
     ):
         if age <= timedelta(0):
             raise ValueError(f"{name} must be longer than zero, got {age}")
+        if age > MAX_RETENTION:
+            raise ValueError(f"{name} must be at most {MAX_RETENTION.days} days, got {age}")
     if delivered_older_than < MIN_DELIVERED_AGE:
         raise ValueError(
             f"the delivered window ({delivered_older_than}) is shorter than the minimum, "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 
 from outbox.errors import MigrationError
-from outbox.migrations import load_migrations
+from outbox.migrations import load_migrations, migrate
 
 
 def _write(directory: Path, *names: str) -> None:
@@ -80,3 +81,10 @@ def test_load_migrations_with_only_non_sql_files_finds_none(tmp_path: Path) -> N
     _write(tmp_path, "README.md")
     with pytest.raises(MigrationError, match="no migrations found"):
         load_migrations(tmp_path)
+
+
+@pytest.mark.parametrize("lock_timeout", [0.0, -1.0, math.inf, math.nan, 2_147_484.0])
+def test_migrate_refuses_a_lock_timeout_postgresql_cannot_take(lock_timeout: float) -> None:
+    """Refused before any connection (the URL leads nowhere), naming the range."""
+    with pytest.raises(MigrationError, match="more than 0 and at most 2147483 seconds"):
+        migrate("postgresql://unused.invalid/none", lock_timeout=lock_timeout)

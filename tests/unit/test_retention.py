@@ -36,6 +36,9 @@ def test_durations_in_every_unit(text: str, expected: timedelta) -> None:
         ("7y", "is not a duration"),
         ("-1d", "is not a duration"),
         ("0s", "longer than zero"),
+        # Past a timedelta's range, and before 1970 (where message ids begin).
+        ("99999999999999w", "at most 520w"),
+        ("521w", "at most 520w"),
     ],
 )
 def test_bad_durations_say_what_is_accepted(text: str, says: str) -> None:
@@ -51,6 +54,21 @@ def test_purge_checks_its_arguments_before_touching_the_database() -> None:
         purge(conn, delivered_older_than=timedelta(days=7), batch_size=0)
     with pytest.raises(ValueError, match="evidence_older_than"):
         purge(conn, delivered_older_than=timedelta(days=7), evidence_older_than=timedelta(0))
+    with pytest.raises(ValueError, match="evidence_older_than must be at most 3640 days"):
+        purge(
+            conn, delivered_older_than=timedelta(days=7), evidence_older_than=timedelta(weeks=530)
+        )
+
+
+def test_a_window_too_long_is_a_configuration_problem_of_the_publisher() -> None:
+    """The publisher lists it with its other problems, instead of failing at start."""
+    config = PublisherConfig(
+        database_url="postgresql://x", kafka_bootstrap="h:1", purge_delivered_after="99999999999w"
+    )
+    assert [p.text for p in config.problems()] == [
+        "purge delivered after: '99999999999w': a retention period must be at most 520w "
+        "(about ten years); to keep rows for ever, turn retention off"
+    ]
 
 
 def test_purge_refuses_a_delivered_window_under_the_minimum() -> None:
