@@ -234,19 +234,23 @@ def check_conninfo(conninfo: str) -> None:
 
 
 class SecretSafeArgumentParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors never repeat a value the user typed.
+    """An ``ArgumentParser`` whose usage errors never repeat a secret the user typed.
 
     argparse echoes unrecognized arguments ("unrecognized arguments:
     --kafka-sasl-password s3cret"): a secret typed after a mistyped or
     non-existent flag would reach the terminal and the logs. Here only the
     option names of such arguments are shown; every other word is ``...``.
+    It also quotes a value it refuses ("invalid choice:
+    'postgresql://app:s3cret@db/app'", a URL typed where a command or an id
+    was expected): passwords in such values are hidden, as ``redact`` does.
     """
 
     def error(self, message: str) -> NoReturn:
-        """Print the usage and the message, values of unrecognized arguments left out."""
+        """Print the usage and the message, values of unrecognized arguments left out and
+        passwords hidden."""
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
             words = message[len(prefix) :].split()
             shown = [w.split("=", 1)[0] if w.startswith("-") else "..." for w in words]
             message = prefix + " ".join(shown)
-        super().error(message)
+        super().error(redact(message))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from urllib.parse import quote
 
 import psycopg
@@ -10,6 +11,7 @@ import pytest
 from outbox.redaction import (
     REDACTED,
     DatabaseURLError,
+    SecretSafeArgumentParser,
     check_conninfo,
     parse_reason,
     redact,
@@ -176,3 +178,29 @@ def test_an_error_with_nothing_to_hide_is_kept_as_it_is() -> None:
     safe = redacted_error(leaking, f"postgresql://u:pa@{SECRET}@h/db")
     assert type(safe) is psycopg.OperationalError
     assert SECRET not in str(safe)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["postgresql://app:s3cret-pw@db/app", "status"],  # a URL where the command goes
+        ["inspect", "postgresql://app:s3cret-pw@db/app"],  # a URL where the id goes
+        ["inspect", "host=db password=s3cret-pw"],
+    ],
+    ids=["command", "id", "key-value"],
+)
+def test_a_refused_value_is_quoted_without_its_password(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse quotes a value it refuses; a database URL typed in the wrong place keeps
+    its password to itself."""
+    parser = SecretSafeArgumentParser(prog="outbox")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands.add_parser("status")
+    commands.add_parser("inspect").add_argument("id", type=uuid.UUID)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "s3cret-pw" not in err
+    assert REDACTED in err
