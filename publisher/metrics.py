@@ -347,7 +347,10 @@ class StatusReader:
                 autocommit=True,
                 connect_timeout=self._timeout,
                 application_name="outbox-publisher metrics",
-                options=f"-c statement_timeout={self._timeout * 1000}",
+                # JIT off, as for outbox status: with a large backlog the
+                # counts' estimated cost passes jit_above_cost, and compiling
+                # them could take longer than the scrape may.
+                options=f"-c statement_timeout={self._timeout * 1000} -c jit=off",
             )
         try:
             return self._read(self._conn)
