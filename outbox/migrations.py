@@ -91,8 +91,15 @@ def load_migrations(directory: Traversable | None = None) -> list[Migration]:
     return migrations
 
 
+# The schema is created only when it is missing: CREATE SCHEMA IF NOT EXISTS
+# checks the CREATE privilege on the database first, which the owner of an
+# existing outbox schema (made by a DBA with AUTHORIZATION) need not have.
 _BOOKKEEPING = """
-CREATE SCHEMA IF NOT EXISTS outbox;
+DO $$ BEGIN
+    IF to_regnamespace('outbox') IS NULL THEN
+        CREATE SCHEMA outbox;
+    END IF;
+END $$;
 CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
     version     integer PRIMARY KEY,
     name        text NOT NULL,
@@ -136,15 +143,18 @@ def migrate(
     if lock_attempts < 1:
         raise MigrationError(f"lock attempts must be at least 1, got {lock_attempts}")
     migrations = load_migrations()
-    if target is not None:
-        if target not in {m.version for m in migrations}:
-            raise MigrationError(f"no migration has version {target}")
-        migrations = [m for m in migrations if m.version <= target]
+    if target is not None and target not in {m.version for m in migrations}:
+        raise MigrationError(f"no migration has version {target}")
+    wanted = [m for m in migrations if target is None or m.version <= target]
     applied: list[Migration] = []
     with connect_errors_redacted(conninfo):
         conn = psycopg.connect(conninfo, autocommit=True)
+    # READ COMMITTED whatever the database's default: a run that waited for
+    # another's advisory lock must then see what that one applied, which a
+    # snapshot taken before the wait (REPEATABLE READ) would not.
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     with conn:
-        for migration in migrations:
+        for migration in wanted:
             for attempt in range(1, lock_attempts + 1):
                 try:
                     with conn.transaction():

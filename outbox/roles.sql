@@ -40,7 +40,7 @@ GRANT INSERT ON outbox.wakeup TO {writer};
 -- name: publisher
 -- outbox-publisher and outbox-publisher reconcile: claim, mark, settle,
 -- recovery, reconciliation, heartbeat, lanes, metrics (read), retention
--- (outbox purge, or the publisher's --retention-interval), LISTEN (which
+-- (outbox purge, or a publisher's retention, --purge-delivered-after), LISTEN (which
 -- needs no grant) and the announcement of its sleep: outbox.wakeup held in
 -- SHARE mode, which LOCK TABLE allows only with UPDATE on it (the view holds
 -- nothing to update). It reads every outbox table and view; it writes the

@@ -44,6 +44,33 @@ def test_concurrent_migrations_apply_each_file_once(empty_database_url: str) -> 
     assert len(_recorded(empty_database_url)) == len(load_migrations())
 
 
+def test_concurrent_migrations_see_each_other_whatever_the_default_isolation(
+    empty_database_url: str,
+) -> None:
+    """At a REPEATABLE READ default, a run that waited for another's lock took its snapshot
+    before that one committed: migrate runs at READ COMMITTED, so it sees what was applied."""
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        database = conn.execute("SELECT current_database()").fetchone()
+        assert database is not None
+        conn.execute(
+            psycopg.sql.SQL(
+                "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'"
+            ).format(psycopg.sql.Identifier(database[0]))
+        )
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: migrate(empty_database_url), range(4)))
+    applied = [m.version for result in results for m in result]
+    assert sorted(applied) == [m.version for m in load_migrations()]
+
+
+def test_migrating_to_an_older_version_than_the_database_applies_nothing(
+    empty_database_url: str,
+) -> None:
+    """A target below the database's version is not a database newer than the library."""
+    migrate(empty_database_url)
+    assert migrate(empty_database_url, target=6) == []
+
+
 def test_0007_carries_messages_in_flight_into_their_batches(empty_database_url: str) -> None:
     """In flight under the old model: in its open batch, pending in its row, the attempt
     not counted yet; in flight with no batch record: uncertain, with an abandoned attempt."""

@@ -347,3 +347,32 @@ def test_migrate_and_create_roles_as_a_non_superuser_owner(
     migrate_as_other = run_outbox_cli(_as_user(empty_database_url, other), "migrate")
     assert migrate_as_other.returncode == 2
     assert "`outbox migrate` runs as the owner of the outbox schema" in migrate_as_other.stderr
+
+
+def test_the_owner_of_a_schema_made_for_it_migrates_without_create_on_the_database(
+    empty_database_url: str,
+) -> None:
+    """A DBA made the outbox schema for a login (CREATE SCHEMA ... AUTHORIZATION) that may
+    not create schemas in the database: it migrates, and migrates again, as that login."""
+    migrator = f"migrator_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(migrator)))
+        conn.execute(
+            sql.SQL("CREATE SCHEMA outbox AUTHORIZATION {}").format(sql.Identifier(migrator))
+        )
+    url = _as_user(empty_database_url, migrator)
+    try:
+        with psycopg.connect(url) as conn:
+            database = conn.execute("SELECT current_database()").fetchone()
+            assert database is not None
+            assert conn.execute(
+                "SELECT has_database_privilege(%s, 'CREATE')", (database[0],)
+            ).fetchone() == (False,)
+        first = run_outbox_cli(url, "migrate")
+        again = run_outbox_cli(url, "migrate")
+        assert (first.returncode, first.stderr) == (0, "")
+        assert (again.returncode, again.stderr) == (0, "")
+        with psycopg.connect(url) as conn:
+            outbox.enqueue(conn, "orders", b"v")
+    finally:
+        _drop_roles(empty_database_url, [migrator])
