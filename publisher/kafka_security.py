@@ -151,6 +151,7 @@ KAFKA_PYTHON_FIXED: Mapping[str, str] = {
     "delivery_timeout_ms": "the write deadline is computed from it: use --delivery-timeout-ms",
     "request_timeout_ms": "the write deadline is computed from it: use --request-timeout-ms",
     "max_block_ms": "the write deadline is computed from it: use --max-block-ms",
+    "bootstrap_timeout_ms": "finding a broker is bounded by --max-block-ms, as a lookup is",
     "bootstrap_servers": "use --kafka-bootstrap",
     "security_protocol": "use the Kafka security settings (--kafka-security-protocol)",
     "sasl_mechanism": "use the Kafka security settings (--kafka-sasl-mechanism)",

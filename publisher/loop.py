@@ -57,6 +57,7 @@ from publisher.outcomes import (
     after_transaction,
     classify,
     counts_as_failure,
+    is_unreachable,
     retry_delay,
 )
 from publisher.partitioning import partition_for
@@ -652,19 +653,31 @@ class Publisher:
             self._ahead_store.close()
 
     def _describe_topics(self, batch: Batch) -> tuple[dict[str, int], dict[uuid.UUID, Settlement]]:
-        """Each topic's partition count; the settlements of messages whose topic failed it."""
+        """Each topic's partition count; the settlements of messages whose topic failed it.
+
+        Once a lookup fails for want of any broker (``is_unreachable``), the
+        batch's other topics are refused with the same error without a lookup
+        each: every one would wait out the same timeouts, and the loop with them.
+        """
         counts: dict[str, int] = {}
         refused: dict[uuid.UUID, Settlement] = {}
-        for topic in {m.topic for m in batch.messages}:
-            try:
-                counts[topic] = self.sink.partition_count(topic)
-                self.health.kafka.succeeded()
-            except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
-                if isinstance(exc, TopicMissing):
-                    self.health.kafka.succeeded()  # the broker answered: no such topic
-                else:
-                    self.health.kafka.failed(exc)
-                report = SendReport(None, None, exc, handed_to_producer=False)
+        outage: BaseException | None = None
+        for topic in sorted({m.topic for m in batch.messages}):
+            error = outage
+            if error is None:
+                try:
+                    counts[topic] = self.sink.partition_count(topic)
+                    self.health.kafka.succeeded()
+                except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
+                    error = exc
+                    if isinstance(exc, TopicMissing):
+                        self.health.kafka.succeeded()  # the broker answered: no such topic
+                    else:
+                        self.health.kafka.failed(exc)
+                        outage = exc if is_unreachable(exc) else None
+                self._progress()  # a lookup that ended, either way, is the loop turning
+            if error is not None:
+                report = SendReport(None, None, error, handed_to_producer=False)
                 for m in batch.messages:
                     if m.topic == topic:
                         refused[m.id] = self._settlement(m, report, None)

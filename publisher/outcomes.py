@@ -189,6 +189,25 @@ def is_outage(error: BaseException | None) -> bool:
     return isinstance(error, kafka_errors.KafkaError) and bool(getattr(error, "retriable", False))
 
 
+#: Errors that say no broker could be reached at all, whatever the topic.
+_UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.NodeNotReadyError,
+    ConnectionError,
+    TimeoutError,
+)
+_LIBRDKAFKA_UNREACHABLE = frozenset({"_TRANSPORT", "_ALL_BROKERS_DOWN", "_TIMED_OUT", "_RESOLVE"})
+
+
+def is_unreachable(error: BaseException | None) -> bool:
+    """Whether ``error`` says the cluster could not be reached at all (not one topic's
+    trouble): another topic's lookup would wait out the same timeouts."""
+    if isinstance(error, LibrdkafkaError):
+        return error.name in _LIBRDKAFKA_UNREACHABLE
+    return isinstance(error, _UNREACHABLE_ERRORS)
+
+
 def counts_as_failure(outcome: SendOutcome, error: BaseException | None) -> bool:
     """Whether an outcome counts toward ``--max-attempts`` (``messages.failures``).
 

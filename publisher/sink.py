@@ -320,6 +320,9 @@ class KafkaSink:
                 delivery_timeout_ms=c.delivery_timeout_ms,
                 request_timeout_ms=c.request_timeout_ms,
                 max_block_ms=c.max_block_ms,
+                # Finding a broker at all is bounded alike (kafka-python's own
+                # default is 30 s): a topic lookup blocks at most max_block_ms.
+                bootstrap_timeout_ms=c.max_block_ms,
                 max_request_size=c.max_request_size,
                 allow_auto_create_topics=c.allow_auto_create_topics,
                 transactional_id=transactional_id,

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import time
 import uuid
 
 import pytest
+from kafka.errors import KafkaError
 
+from publisher.outcomes import is_unreachable
 from publisher.sink import KafkaSink, KafkaSinkConfig, OutgoingRecord
 from tests.support import read_topic
 
@@ -54,3 +58,24 @@ def test_discarded_producer_never_sends_what_it_still_buffered(
     sink.close()
     assert all(r.error is None for r in marker)
     assert len(read_topic(kafka_bootstrap, topic)) == 3
+
+
+def test_a_topic_lookup_with_no_broker_gives_up_within_max_block_and_request_timeouts() -> None:
+    """With nothing listening, a lookup fails within --max-block-ms (finding a broker)
+    plus --request-timeout-ms (telling a missing topic from a missing cluster), not
+    kafka-python's own 30 s to bootstrap; and so does the next, on a new producer."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # nobody listens there once it is closed
+    sink = KafkaSink(
+        KafkaSinkConfig(f"127.0.0.1:{port}", max_block_ms=1_000, request_timeout_ms=1_000)
+    )
+    try:
+        for topic in ("orders", "payments"):
+            began = time.monotonic()
+            with pytest.raises(KafkaError) as failed:
+                sink.partition_count(topic)
+            assert time.monotonic() - began < 10, f"the lookup of {topic} took longer"
+            assert is_unreachable(failed.value)
+    finally:
+        sink.close()

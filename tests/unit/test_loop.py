@@ -23,7 +23,7 @@ from kafka import errors as kafka_errors
 from outbox.ids import new_message_id
 from outbox.states import State
 from publisher.config import PublisherConfig
-from publisher.loop import HAND_OVER_CLOSED, Publisher
+from publisher.loop import HAND_OVER_CLOSED, OUTAGE, Publisher
 from publisher.outcomes import TransactionEnd
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
@@ -160,10 +160,15 @@ class FakeSink:
         self.windows: list[SendWindow | None] = []
         #: Records whose turn came after their window: never handed over.
         self.closed: set[uuid.UUID] = set()
+        #: Raised by every topic lookup when set.
+        self.lookup_error: BaseException | None = None
 
     def partition_count(self, topic: str) -> int:
-        """The configured partition count, or the error Kafka gives for an unknown topic."""
+        """The configured partition count, or the error Kafka gives for an unknown topic
+        (or ``lookup_error``, when set: no broker answers)."""
         self.events.append(f"partition_count:{topic}")
+        if self.lookup_error is not None:
+            raise self.lookup_error
         if topic not in self.partitions:
             raise kafka_errors.UnknownTopicOrPartitionError(f"topic {topic!r} has no partitions")
         return self.partitions[topic]
@@ -417,6 +422,25 @@ def test_a_topic_that_cannot_be_described_is_not_sent_but_others_are() -> None:
     assert settled[a.id].state is State.DELIVERED
     assert settled[b.id].state is State.DELIVERED
     assert publisher.totals.retried == 2
+
+
+def test_with_no_broker_to_answer_one_topic_lookup_stands_for_the_batch() -> None:
+    """The first lookup finds no broker: the batch's other topics are not looked up (each
+    would wait out the same timeouts), and every message goes back to pending as in any
+    outage."""
+    messages = [_message(topic) for topic in ("orders", "payments", "audit")]
+    events, store, sink, publisher = _setup(*messages, partitions={"orders": 3})
+    sink.lookup_error = kafka_errors.KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1")
+
+    publisher.run_once()
+
+    assert [e for e in events if e.startswith("partition_count")] == ["partition_count:audit"]
+    assert sink.sent == []
+    for s in store.settled[0]:
+        assert (s.state, s.send_began) == (State.PENDING, False)
+        assert s.error is not None
+        assert "Unable to bootstrap" in s.error
+    assert set(publisher._failure_class.values()) == {OUTAGE}
 
 
 def test_a_batch_whose_only_topic_cannot_be_described_sends_nothing() -> None:

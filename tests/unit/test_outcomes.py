@@ -18,12 +18,14 @@ from publisher.outcomes import (
     NEXT_STATE,
     LibrdkafkaError,
     SendOutcome,
+    TopicMissing,
     TransactionEnd,
     after_transaction,
     classify,
     counts_as_failure,
     from_librdkafka,
     is_outage,
+    is_unreachable,
     retry_delay,
 )
 
@@ -316,3 +318,24 @@ def test_a_librdkafka_error_keeps_its_name() -> None:
     error = from_librdkafka(-195, "_TRANSPORT", "Broker transport failure")
     assert isinstance(error, LibrdkafkaError)
     assert error.name == "_TRANSPORT"
+
+
+@pytest.mark.parametrize(
+    ("error", "unreachable"),
+    [
+        (kafka_errors.KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1"), True),
+        (kafka_errors.KafkaConnectionError("connection refused"), True),
+        (ConnectionRefusedError(), True),
+        (LibrdkafkaError("all brokers down", "_ALL_BROKERS_DOWN"), True),
+        (LibrdkafkaError("transport", "_TRANSPORT"), True),
+        # One topic's trouble, not the cluster's: other topics are still looked up.
+        (kafka_errors.UnknownTopicOrPartitionError(), False),
+        (kafka_errors.LeaderNotAvailableError(), False),
+        (LibrdkafkaError("unknown partition", "_UNKNOWN_PARTITION"), False),
+        (TopicMissing("topic 'x' does not exist"), False),
+        (None, False),
+    ],
+)
+def test_unreachable_means_no_broker_at_all(error: BaseException | None, unreachable: bool) -> None:
+    """Only errors that say no broker answered stand for every topic of a batch."""
+    assert is_unreachable(error) is unreachable
