@@ -16,6 +16,13 @@ set for the server, the database or the role):
 So every connection the publisher opens comes from ``connect`` here, which
 pins the level for the whole session, transactions begun or implicit alike.
 
+Each also notices a database that went silent (a failover that leaves the
+old address unanswered) within about a minute, rather than the kernel's two
+hours: TCP keepalives, and a limit on how long sent data may stay
+unacknowledged (``DEAD_PEER``), unless the URL sets its own. Without them a
+settle waiting for its answer, or the heartbeat, would hang that long, with
+its lease running out meanwhile.
+
 An error opening one repeats nothing secret of the URL (see
 ``outbox.redaction``): libpq's parse errors quote pieces of it, and the
 publisher logs every connection error it retries.
@@ -26,9 +33,21 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from outbox.queries import query
 from outbox.redaction import connect_errors_redacted
+
+#: libpq settings every publisher connection gets, unless its URL (or the
+#: caller) sets them: a silent peer is noticed within about a minute.
+DEAD_PEER: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,  # milliseconds
+    "connect_timeout": 10,
+}
 
 
 def connect(conninfo: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection[Any]:
@@ -39,7 +58,9 @@ def connect(conninfo: str, *, autocommit: bool = False, **kwargs: Any) -> psycop
     that transaction were rolled back.
     """
     with connect_errors_redacted(conninfo):
-        conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
+        given = conninfo_to_dict(conninfo)
+        defaults = {k: v for k, v in DEAD_PEER.items() if k not in given}
+        conn = psycopg.connect(conninfo, autocommit=True, **{**defaults, **kwargs})
     try:
         conn.execute(query("pin_read_committed"))
         conn.autocommit = autocommit

@@ -40,14 +40,6 @@ log = logging.getLogger(__name__)
 #: The longest wait between two reconnection attempts.
 MAX_RECONNECT_DELAY = 30.0
 
-#: Notice a silently dead peer within about a minute.
-KEEPALIVES: dict[str, Any] = {
-    "keepalives": 1,
-    "keepalives_idle": 30,
-    "keepalives_interval": 10,
-    "keepalives_count": 3,
-}
-
 
 class Waker(BackgroundService):
     """An event set by ``NOTIFY outbox_pending``, by ``wake()``, or never (polling only).
@@ -114,7 +106,7 @@ class Waker(BackgroundService):
         try:
             if self._announcer is None or self._announcer.closed:
                 self._announcer = connect(
-                    self._conninfo, application_name="outbox-publisher wakeup", **KEEPALIVES
+                    self._conninfo, application_name="outbox-publisher wakeup"
                 )
             self._announcer.execute(query("announce_sleep"))
         except psycopg.errors.LockNotAvailable:
@@ -196,7 +188,6 @@ class Waker(BackgroundService):
                 self._conninfo,
                 autocommit=True,
                 application_name="outbox-publisher listener",
-                **KEEPALIVES,
             ) as conn:
                 conn.execute(query("listen"))
                 self.listening.set()

@@ -93,3 +93,34 @@ def test_a_publisher_delivers_where_the_database_defaults_to_serializable(
     totals = publish_until_idle(serializable_url, kafka_bootstrap, batch_size=10)
     assert totals.delivered == 50
     assert_each_delivered_once(serializable_url, kafka_bootstrap, topic, ids)
+
+
+def _dead_peer_settings(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in conn.info.get_parameters().items()
+        if k.startswith(("keepalives", "tcp_user_timeout", "connect_timeout"))
+    }
+
+
+def test_every_connection_notices_a_silent_database_unless_the_url_says_otherwise(
+    database_url: str,
+) -> None:
+    """The publisher's connections (the store's, the heartbeat's, the listener's...) get
+    keepalives and a limit on unacknowledged data, so a database that went silent is
+    noticed within about a minute; a setting the URL gives is kept."""
+    store = claiming_store(database_url)
+    try:
+        assert _dead_peer_settings(store.conn) == {
+            "connect_timeout": "10",
+            "keepalives": "1",
+            "keepalives_idle": "30",
+            "keepalives_interval": "10",
+            "keepalives_count": "3",
+            "tcp_user_timeout": "60000",
+        }
+    finally:
+        store.close()
+    own = database_url + ("&" if "?" in database_url else "?") + "keepalives_idle=5"
+    with connect(own) as conn:
+        assert _dead_peer_settings(conn)["keepalives_idle"] == "5"
