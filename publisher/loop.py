@@ -164,8 +164,9 @@ class Publisher:
         )
         if reconciler is not None:
             # Each partition a pass decides counts as a turn: a long pass over
-            # many partitions is not a stuck loop.
-            reconciler.progress = self.health.loop_turned
+            # many partitions is not a stuck loop, and the leases it holds
+            # meanwhile (a batch claimed ahead) are still renewed.
+            reconciler.progress = self._progress
         #: Prometheus metrics of this publisher, on a registry of its own.
         self.metrics = PublisherMetrics(self.health)
         self.metrics.info.labels(str(self.publisher_id), version).set(1)

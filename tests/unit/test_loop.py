@@ -573,8 +573,10 @@ def test_a_reconcile_pass_turns_the_loop_as_it_goes() -> None:
     publisher.health.loop_started()
     now[0] += CONFIG.stall_seconds + 1
     assert publisher.health.loop_stuck()
+    assert not publisher._progressing()  # the heartbeat would no longer renew its leases
     reconciler.progress()
     assert not publisher.health.loop_stuck()
+    assert publisher._progressing()  # a batch claimed ahead keeps its lease through the pass
 
 
 def test_the_heartbeat_stops_once_the_loop_is_stuck() -> None:
