@@ -212,8 +212,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_duration,
         default=DEFAULT_EVIDENCE_AGE,
         metavar="AGE",
-        help="keep the evidence of purged messages this long "
-        f"(default {DEFAULT_EVIDENCE_AGE.days}d)",
+        help="delete the evidence (attempts, decisions, batches) of purged messages once it is "
+        f"this old; never while its message is kept (default {DEFAULT_EVIDENCE_AGE.days}d)",
     )
     purge_cmd.add_argument(
         "--batch-size",

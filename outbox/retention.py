@@ -141,7 +141,7 @@ def purge(
     if evidence_older_than < delivered_older_than:
         raise ValueError(
             f"the evidence window ({evidence_older_than}) must be at least the delivered window "
-            f"({delivered_older_than}): evidence is kept after its message is purged"
+            f"({delivered_older_than}): evidence must not go before the messages it explains"
         )
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)

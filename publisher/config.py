@@ -123,7 +123,7 @@ class PublisherConfig:
     #: Retention: delete delivered messages older than this (``7d``; see
     #: ``outbox purge``); empty leaves them all in place.
     purge_delivered_after: str = ""
-    #: Retention: keep the evidence of purged messages this long.
+    #: Retention: delete the evidence of purged messages once it is this old.
     purge_evidence_after: str = "30d"
     #: Seconds between two retention passes (when ``purge_delivered_after`` is set).
     purge_interval: float = 3600.0
@@ -295,7 +295,8 @@ class PublisherConfig:
             problem(
                 "purge_evidence_after purge_delivered_after",
                 f"purge evidence after ({self.purge_evidence_after}) must be at least purge "
-                f"delivered after ({self.purge_delivered_after}): evidence outlives its message",
+                f"delivered after ({self.purge_delivered_after}): evidence must not go before "
+                "the messages it explains",
             )
         for name, least in (
             ("transaction_records", 1),
@@ -649,7 +650,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("purge_delivered_after", str, "delete delivered messages older than this (e.g. 7d; "
             "units s, m, h, d, w; at least the write deadline plus the absence grace, and 5m); "
             "unset keeps them", "retention", unset="off", metavar="AGE"),
-    Setting("purge_evidence_after", str, "keep the evidence of purged messages this long",
+    Setting("purge_evidence_after", str, "delete the evidence of purged messages once it is "
+            "this old (never while its message is kept)",
             "retention", metavar="AGE"),
     Setting("purge_interval", float, "seconds between retention passes", "retention",
             metavar="SECONDS"),
