@@ -122,10 +122,18 @@ def resolve(
     ``PENDING`` or ``DISCARD`` while the record of an uncertain message may
     still be written (unless ``force_before_deadline``, which risks sending it
     twice, or, discarded, writing it after later messages of its key); and
-    ``ValueError`` for an empty reason or a missing fence.
+    ``ValueError`` for an empty reason, a missing fence, or a location that
+    is half given or negative.
     """
     if resolution is not Resolution.DELIVERED and (partition is not None or offset is not None):
         raise ValueError("--partition and --offset only go with --delivered")
+    if (partition is None) is not (offset is None):
+        raise ValueError("--partition and --offset go together: where the record is")
+    if (partition is not None and partition < 0) or (offset is not None and offset < 0):
+        raise ValueError(
+            f"--partition and --offset must be 0 or more, got partition {partition}, "
+            f"offset {offset}"
+        )
     if fence is None and resolution is not Resolution.DISCARD:
         raise ValueError(
             f"--{resolution.value} needs --fence N, the fence `outbox inspect {message_id}` "

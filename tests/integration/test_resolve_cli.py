@@ -255,6 +255,33 @@ def test_resolve_refuses_an_offset_with_pending(database_url: str) -> None:
     assert "only go with --delivered" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("location", "says"),
+    [
+        (["--offset", "5"], "go together"),
+        (["--partition", "1"], "go together"),
+        (["--partition", "-1", "--offset", "5"], "must be 0 or more"),
+        (["--partition", "0", "--offset", "-7"], "must be 0 or more"),
+    ],
+)
+def test_resolve_delivered_refuses_a_location_half_given_or_negative(
+    database_url: str, location: list[str], says: str
+) -> None:
+    """A record's location is a partition and an offset, both 0 or more: anything else
+    is refused (exit 2) before the message is touched."""
+    message_id = _uncertain(database_url)
+    [(fence,)] = fetch_rows(
+        database_url, "SELECT fence FROM outbox.messages WHERE id = %s", message_id
+    )
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    result = _outbox(
+        "resolve", str(message_id), "--delivered", "--fence", str(fence), *location,
+        "--reason", "seen in the topic", url=database_url,
+    )  # fmt: skip
+    _assert_refused(result, database_url, before)
+    assert says in result.stderr
+
+
 def test_reconcile_command_decides_found_and_absent_messages(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
