@@ -142,7 +142,6 @@ def _parser() -> argparse.ArgumentParser:
     for purpose, default in defaults.by_purpose().items():
         migrate_cmd.add_argument(
             f"--{purpose}-role",
-            default=default,
             metavar="NAME",
             help=f"with --create-roles: the {purpose} role's name (default {default})",
         )
@@ -348,7 +347,12 @@ def _migrate(args: argparse.Namespace) -> int:
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"
         print(f"schema at version {version}; applied now: {names}")
         if args.create_roles:
-            roles = RoleNames(args.writer_role, args.publisher_role, args.operator_role)
+            defaults = RoleNames()
+            roles = RoleNames(
+                args.writer_role or defaults.writer,
+                args.publisher_role or defaults.publisher,
+                args.operator_role or defaults.operator,
+            )
             for line in create_roles(conn, roles).lines():
                 print(line)
         elif applied and (granted := granted_roles(conn)):
@@ -499,6 +503,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not args.database_url:
         parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
+    if args.command == "migrate" and not args.create_roles:
+        named = [f"--{p}-role" for p in RoleNames().by_purpose() if getattr(args, f"{p}_role")]
+        if named:
+            verb = "goes" if len(named) == 1 else "go"
+            parser.error(
+                f"{', '.join(named)} {verb} only with --create-roles: nothing else reads it"
+            )
     url = args.database_url
     try:
         check_conninfo(url)

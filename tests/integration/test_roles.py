@@ -376,3 +376,13 @@ def test_the_owner_of_a_schema_made_for_it_migrates_without_create_on_the_databa
             outbox.enqueue(conn, "orders", b"v")
     finally:
         _drop_roles(empty_database_url, [migrator])
+
+
+def test_a_role_name_without_create_roles_is_refused(empty_database_url: str) -> None:
+    """A role's name given without --create-roles would be ignored: refused before any
+    migration, naming the flag."""
+    result = run_outbox_cli(empty_database_url, "migrate", "--writer-role", "orders_writer")
+    assert result.returncode == 2
+    assert "--writer-role goes only with --create-roles" in result.stderr
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
