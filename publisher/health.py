@@ -146,6 +146,9 @@ class Health:
         self.stopping = False
         #: ``starting`` -> ``running`` -> ``ended``.
         self.loop = "starting"
+        #: The background threads the publisher relies on (the heartbeat, ...):
+        #: one that an unexpected error ended fails readiness.
+        self.threads: list[BackgroundService] = []
         self._turned_at: float | None = None
         self.last_turn_time: float | None = None
 
@@ -194,6 +197,9 @@ class Health:
             checks["loop"] = "starting"
         else:
             checks["loop"] = self._loop_problem(self.stall_seconds) or "ok"
+        dead = [t.name for t in self.threads if t.died is not None]
+        if dead:
+            checks["threads"] = "thread_died"
         return Verdict(all(v == "ok" for v in checks.values()), checks)
 
 

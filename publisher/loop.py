@@ -217,11 +217,14 @@ class Publisher:
         self.health.database.succeeded()
         self.health.registered = True
         self.waker.start()
+        self.health.threads.append(self.waker)
         if self.heartbeat is not None:
             self.heartbeat.beat()  # take a share of the lanes before the first claim
             self.heartbeat.start()
+            self.health.threads.append(self.heartbeat)
         if self.retention is not None:
             self.retention.start()
+            self.health.threads.append(self.retention)
         self.health.loop_started()
         log.info(
             "publisher %s started (batch %d, lease %gs, poll %gs)",

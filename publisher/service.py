@@ -25,8 +25,10 @@ class BackgroundService(ABC):
     The first turn comes one interval after ``start()``, or at once with
     ``run_at_start``. An error a turn raises that is one of ``recoverable``
     goes to ``_failed`` and the next turn comes as usual; any other error
-    ends the thread (``threading.excepthook`` reports it), as a bug should.
-    A stopped service does not start again.
+    ends the thread, as a bug should: it is logged with its traceback, kept
+    in ``died`` (the publisher's readiness fails on it), and
+    ``threading.excepthook`` reports it too. A stopped service does not start
+    again.
     """
 
     #: Errors of a turn that the service outlives (a dropped connection, say).
@@ -49,6 +51,8 @@ class BackgroundService(ABC):
         self.join_timeout = join_timeout
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The error that ended the thread, if one did.
+        self.died: BaseException | None = None
 
     @abstractmethod
     def run_once(self) -> object:
@@ -100,3 +104,7 @@ class BackgroundService(ABC):
             self.run_once()
         except self.recoverable as exc:
             self._failed(exc)
+        except Exception as exc:
+            self.died = exc
+            log.exception("%s ended by an unexpected error", self.name)
+            raise

@@ -7,6 +7,7 @@ import time
 from kafka import errors as kafka_errors
 
 from publisher.health import Health, KafkaProbe
+from publisher.service import BackgroundService
 from tests.support import wait_until
 
 
@@ -40,6 +41,26 @@ def test_a_running_publisher_whose_dependencies_answered_is_ready() -> None:
     assert verdict.ok
     assert verdict.checks == {"registered": "ok", "database": "ok", "kafka": "ok", "loop": "ok"}
     assert verdict.as_json()["failing"] == []
+
+
+def test_a_background_thread_ended_by_a_bug_makes_it_not_ready() -> None:
+    """The heartbeat (or another thread the publisher relies on) ended by an unexpected
+    error: its lanes would lapse while the loop turns, so the publisher is not ready."""
+
+    class Beating(BackgroundService):
+        def run_once(self) -> None:
+            """Nothing."""
+
+    health = _ready(FakeClock())
+    heartbeat = Beating(name="outbox-heartbeat", interval=1)
+    health.threads.append(heartbeat)
+    assert health.readiness().ok
+    heartbeat.died = RuntimeError("a bug")
+    verdict = health.readiness()
+    assert not verdict.ok
+    assert verdict.checks["threads"] == "thread_died"
+    assert verdict.as_json()["failing"] == ["threads"]
+    assert health.liveness().ok  # restarting would not be wrong, but the loop itself is fine
 
 
 def test_a_starting_publisher_is_alive_but_not_ready_and_says_why() -> None:

@@ -606,6 +606,7 @@ def test_run_delivers_then_exits_when_idle() -> None:
     assert (totals.batches, totals.delivered) == (2, 3)
     assert events.count("claim") == 3
     assert len(sink.sent) == 3
+    assert publisher.health.threads == [publisher.waker]  # watched by readiness
 
 
 def test_a_settlement_the_store_did_not_apply_counts_as_stale() -> None:

@@ -6,6 +6,7 @@ timeout that only a failure reaches.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
@@ -113,9 +114,10 @@ def test_a_recoverable_error_does_not_end_the_thread() -> None:
 
 
 def test_any_other_error_ends_the_thread_through_the_excepthook(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An error that is not recoverable is a bug: the thread ends and the excepthook reports it."""
+    """An error that is not recoverable is a bug: the thread ends, the log and the
+    excepthook report it, and ``died`` keeps it (readiness fails on it)."""
     reported: list[type[BaseException] | None] = []
     done = threading.Event()
 
@@ -138,6 +140,10 @@ def test_any_other_error_ends_the_thread_through_the_excepthook(
     assert reported == [KeyError]
     assert service.failures == []
     assert not service.running
+    assert isinstance(service.died, KeyError)
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.getMessage() == f"{service.name} ended by an unexpected error"
+    assert record.exc_info is not None
 
 
 def test_stop_waits_for_a_turn_in_progress_only_up_to_its_timeout() -> None:
