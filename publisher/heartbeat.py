@@ -91,8 +91,8 @@ class Heartbeat(BackgroundService):
         return renewed
 
     def _balance_lanes(self) -> None:
-        """Keep a fair share of lanes while the loop turns."""
-        if self.lanes is not None and self._still_working():
+        """Keep a fair share of lanes while the loop turns (and no stop was asked for)."""
+        if self.lanes is not None and not self.stopping and self._still_working():
             self.lanes.balance()
 
     def _still_working(self) -> bool:
@@ -121,8 +121,20 @@ class Heartbeat(BackgroundService):
             self._database.succeeded()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop beating, give the lanes back, and close the heartbeat's connection."""
+        """Stop beating, give the lanes back, and close the heartbeat's connection.
+
+        A turn still running after the timeout (its statement hangs) keeps the
+        connection: the lanes are not given back on it from here, where they
+        would race that turn; they expire with their leases instead.
+        """
         super().stop(timeout)
+        if self.running:
+            log.warning(
+                "the heartbeat's turn is still running: lanes %s are not given back; "
+                "the other publishers take them over when their leases expire",
+                sorted(self.lanes.owned) if self.lanes is not None else [],
+            )
+            return
         if self.lanes is not None:
             try:
                 self.lanes.release_all()

@@ -100,6 +100,40 @@ def test_a_database_error_is_reported_and_the_next_turn_beats_again() -> None:
     assert database.ok is True  # the later beat succeeded
 
 
+class HangingLanes(RecordingLanes):
+    """A lane keeper whose rebalance hangs (its statement waits) until told to go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owned: set[int] = {3}
+        self.entered = threading.Event()
+        self.go_on = threading.Event()
+
+    def balance(self) -> set[int]:
+        self.entered.set()
+        self.go_on.wait(timeout=10)
+        return super().balance()
+
+
+def test_a_turn_that_outlives_stop_keeps_its_connection_and_takes_no_more_lanes() -> None:
+    """stop() gives up waiting for a hung turn: it neither gives the lanes back on the
+    connection that turn is using nor closes it, and a later turn balances nothing."""
+    store, lanes = RecordingStore(), HangingLanes()
+    beat = _heartbeat(store, interval=0.01, lanes=cast(Any, lanes))
+    beat.start()
+    try:
+        assert lanes.entered.wait(timeout=5)
+        beat.stop(timeout=0.1)
+        assert beat.running
+        assert (lanes.released, store.closes) == (False, 0)
+    finally:
+        lanes.go_on.set()
+    beat.stop(timeout=5)
+    assert not beat.running
+    assert lanes.balances == 1  # the hung one only: none after the stop
+    assert (lanes.released, store.closes) == (True, 1)
+
+
 def test_stop_gives_the_lanes_back_and_closes_the_connection() -> None:
     """stop() releases every lane and closes the heartbeat's store, started or not."""
     store, lanes = RecordingStore(), RecordingLanes()
