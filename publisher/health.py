@@ -197,8 +197,7 @@ class Health:
             checks["loop"] = "starting"
         else:
             checks["loop"] = self._loop_problem(self.stall_seconds) or "ok"
-        dead = [t.name for t in self.threads if t.died is not None]
-        if dead:
+        if any(t.died is not None for t in self.threads):
             checks["threads"] = "thread_died"
         return Verdict(all(v == "ok" for v in checks.values()), checks)
 
