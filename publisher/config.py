@@ -452,7 +452,16 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
     ):
         path = getattr(config, name)
         if path and (trouble := _unreadable(path)):
-            problem(name, f"--{name.replace('_', '-')} {path}: {trouble}")
+            flag = f"--{name.replace('_', '-')}"
+            if name.endswith("password_file"):
+                # A password typed here by mistake would be shown: name the setting only.
+                problem(
+                    name,
+                    f"{flag}: the file {trouble} (its path is not shown: it may be a "
+                    "password given in the wrong place)",
+                )
+            else:
+                problem(name, f"{flag} {path}: {trouble}")
     password_file = config.kafka_sasl_password_file
     if password_file and not _unreadable(password_file) and not read_secret_file(password_file):
         problem(

@@ -144,7 +144,17 @@ def test_unreadable_files_are_named_at_start(tmp_path: Path) -> None:
             _sasl_env(),
         )
     assert f"--kafka-ssl-cafile {missing}: cannot be read" in str(refused.value)
-    assert f"--kafka-sasl-password-file {missing}: cannot be read" in str(refused.value)
+    assert "--kafka-sasl-password-file: the file cannot be read" in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["kafka_sasl_password_file", "kafka_ssl_key_password_file"])
+def test_a_password_given_as_a_password_file_is_not_shown(name: str) -> None:
+    """A password typed where its file's path goes is not echoed in the problem."""
+    with pytest.raises(ConfigError) as refused:
+        resolve({name: SECRET}, _sasl_env())
+    text = str(refused.value)
+    assert f"--{name.replace('_', '-')}: the file cannot be read" in text
+    assert SECRET not in text
 
 
 def test_hostname_checks_turn_off_only_on_purpose() -> None:
