@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 
 _lock = threading.Lock()
 _last_ms = 0
@@ -36,3 +37,10 @@ def new_message_id() -> uuid.UUID:
     rand = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
     value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | rand
     return uuid.UUID(int=value)
+
+
+def created_at(message_id: uuid.UUID) -> datetime | None:
+    """When a message id was made, by its writer's clock; None for a UUID not of version 7."""
+    if message_id.version != 7:
+        return None
+    return datetime.fromtimestamp((message_id.int >> 80) / 1000, tz=UTC)

@@ -3,22 +3,35 @@
 The timeline is assembled from what the tables keep: the message row, its
 attempt records (with the publisher, fence and batch evidence of each), the
 claim it is in now, and every decision taken on it. After retention purged a
-delivered message, its attempts and decisions stay for the evidence window
-and the timeline is told from them alone.
+delivered message, its attempts, decisions and batches stay for the evidence
+window and the timeline is told from them alone. A delivery writes no attempt
+row: a purged message's delivering batch is found by reading the batches
+claimed since the message was made, for at most ``DELIVERY_SEARCH_TIMEOUT``
+(an operator's question must not read the whole table, nor hold back vacuum
+while it does).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
+from outbox.errors import OutboxError
+from outbox.ids import created_at
 from outbox.queries import query
 from outbox.states import State
+
+#: How far a writer's clock (which dates a message id) may run ahead of the
+#: database's (which dates claims) for the search of a purged message's
+#: delivering batch to start early enough.
+CLOCK_ALLOWANCE = timedelta(minutes=15)
+#: The longest the search of the batches for a purged message's delivery reads.
+DELIVERY_SEARCH_TIMEOUT = timedelta(seconds=10)
 
 #: What to do next about a message in each state that needs a person, or may.
 _NEXT_ACTION = {
@@ -63,6 +76,8 @@ class Timeline:
     #: The message holding back this message's key, if any.
     held_behind: dict[str, Any] | None
     events: list[Event]
+    #: What the timeline may lack, in words (a search that was stopped).
+    notes: tuple[str, ...] = ()
 
     @property
     def state(self) -> str:
@@ -92,9 +107,23 @@ class Timeline:
         return _NEXT_ACTION[state].format(fence=fence)
 
 
-def read_timeline(conn: psycopg.Connection[Any], message_id: uuid.UUID) -> Timeline | None:
-    """Everything known about one message, or None when nothing is (never existed, or purged)."""
+class DeliverySearchStopped(OutboxError):
+    """Nothing is known of a message but its delivery was not searched to the end."""
+
+
+def read_timeline(
+    conn: psycopg.Connection[Any],
+    message_id: uuid.UUID,
+    *,
+    search_timeout: timedelta = DELIVERY_SEARCH_TIMEOUT,
+) -> Timeline | None:
+    """Everything known about one message, or None when nothing is (never existed, or purged).
+
+    Raises ``DeliverySearchStopped`` when nothing is known but the search of the
+    batches for a purged message's delivery took longer than ``search_timeout``.
+    """
     params = {"id": message_id}
+    notes: tuple[str, ...] = ()
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(query("message"), params)
         message = cur.fetchone()
@@ -108,10 +137,88 @@ def read_timeline(conn: psycopg.Connection[Any], message_id: uuid.UUID) -> Timel
             claim = cur.fetchone()
             cur.execute(query("message_holder"), params)
             held = cur.fetchone()
+        elif not _delivery_recorded(attempts, decisions):
+            start = _search_start(cur, message_id, attempts)
+            if start is not None:
+                try:
+                    delivery = _purged_delivery(cur, message_id, start, search_timeout)
+                except psycopg.errors.QueryCanceled:
+                    stopped = (
+                        f"the search of outbox.batches for its delivery was stopped after "
+                        f"{search_timeout.total_seconds():g}s (from batch {start} on)"
+                    )
+                    if not attempts and not decisions:
+                        raise DeliverySearchStopped(
+                            f"no message {message_id}, and no attempt or decision of one; "
+                            f"{stopped}: it was purged, or the id is mistyped"
+                        ) from None
+                    notes = (stopped,)
+                else:
+                    if delivery is not None:
+                        attempts.append(delivery)
     if message is None and not attempts and not decisions:
         return None
     events = _events(message, attempts, decisions, claim)
-    return Timeline(message_id, message, attempts, decisions, claim, held, events)
+    return Timeline(message_id, message, attempts, decisions, claim, held, events, notes)
+
+
+def _delivery_recorded(attempts: list[dict[str, Any]], decisions: list[dict[str, Any]]) -> bool:
+    """Whether a purged message's delivery is on record without its batch: reconciled (an
+    attempt that ended delivered) or decided by an operator."""
+    return any(a["outcome"] == State.DELIVERED for a in attempts) or any(
+        d["to_state"] == State.DELIVERED for d in decisions
+    )
+
+
+def _search_start(
+    cur: psycopg.Cursor[dict[str, Any]], message_id: uuid.UUID, attempts: list[dict[str, Any]]
+) -> int | None:
+    """The first batch that may have delivered a purged message, or None when none can.
+
+    After its last attempt's batch, if it has one; otherwise the first batch
+    claimed since the message was made (less ``CLOCK_ALLOWANCE``), found by
+    bisecting the primary key, as batch ids grow with their claim time.
+    """
+    claimed = [a["batch_id"] for a in attempts if a["batch_id"] is not None]
+    if claimed:
+        return int(max(claimed)) + 1
+    made = created_at(message_id)
+    if made is None:
+        return None  # message ids are UUIDv7: this one names no message
+    cur.execute(query("batch_id_range"))
+    ends = cur.fetchone()
+    if ends is None or ends["low"] is None:
+        return None
+    since = made - CLOCK_ALLOWANCE
+    low, high = int(ends["low"]), int(ends["high"]) + 1
+    while low < high:
+        middle = (low + high) // 2
+        cur.execute(query("batch_at_or_after"), {"id": middle})
+        found = cur.fetchone()
+        if found is None or found["claimed_at"] >= since:
+            high = middle
+        else:
+            low = int(found["id"]) + 1
+    return low
+
+
+def _purged_delivery(
+    cur: psycopg.Cursor[dict[str, Any]],
+    message_id: uuid.UUID,
+    start: int,
+    timeout: timedelta,
+) -> dict[str, Any] | None:
+    """The delivering batch of a purged message, as an attempt row; ``QueryCanceled`` when
+    the search took longer than ``timeout`` (the search alone is then undone)."""
+    milliseconds = max(1, round(timeout.total_seconds() * 1000))
+    with cur.connection.transaction():
+        cur.execute(query("statement_timeout"), {"timeout": f"{milliseconds}ms"})
+        before = cur.fetchone()
+        cur.execute(query("purged_delivery"), {"id": message_id, "from": start})
+        delivery = cur.fetchone()
+        if before is not None:
+            cur.execute(query("statement_timeout"), {"timeout": before["previous"]})
+    return delivery
 
 
 def _events(

@@ -775,21 +775,12 @@ WHERE id = %(id)s
 -- name: message_attempts
 -- Every attempt of a message, with the process that made it and the
 -- evidence its batch recorded (kept while the batch is). A delivery writes
--- no attempt row: its batch is its record, and it is told from there. While
--- the message row exists it names that batch; once retention purged the
--- message (only delivered ones are purged), the delivering batch is the last
--- one that names it (found by reading the batches: an operator's question,
--- not a hot path), and its partition and offset went with the row.
+-- no attempt row: its batch is its record, named by the message row (once
+-- retention purged the row, see purged_delivery).
 WITH delivery AS (
     SELECT m.attempts AS attempt, m.fence, m.batch_id, m.kafka_partition, m.kafka_offset
     FROM outbox.messages AS m
     WHERE m.id = %(id)s AND m.state = 'delivered'
-    UNION ALL
-    SELECT count(*)::integer, NULL::bigint, max(b.id), NULL::integer, NULL::bigint
-    FROM outbox.batches AS b
-    WHERE b.message_ids @> ARRAY[%(id)s::uuid]
-      AND NOT EXISTS (SELECT 1 FROM outbox.messages WHERE id = %(id)s)
-    HAVING count(*) > 0
 )
 SELECT a.attempt, a.publisher_id, p.host, p.pid, a.fence, a.batch_id, a.started_at,
        a.send_began, b.send_began_at, b.write_deadline, a.finished_at, a.outcome, a.error,
@@ -808,6 +799,41 @@ LEFT JOIN outbox.publishers AS p ON p.id = b.publisher_id
 WHERE NOT EXISTS (SELECT 1 FROM outbox.attempts AS a
                   WHERE a.message_id = %(id)s AND a.batch_id = d.batch_id)
 ORDER BY 1
+
+-- name: batch_id_range
+-- The lowest and highest batch ids kept (the primary key's two ends).
+SELECT min(id) AS low, max(id) AS high FROM outbox.batches
+
+-- name: batch_at_or_after
+-- The first batch kept from an id on, and when it was claimed.
+SELECT id, claimed_at FROM outbox.batches WHERE id >= %(id)s ORDER BY id LIMIT 1
+
+-- name: purged_delivery
+-- The batch that delivered a purged message: the first batch from
+-- %(from)s on (batch ids grow with their claim time) that names the message
+-- and recorded no attempt of it (every claim that did not deliver wrote
+-- one). It is read in primary-key order and stops at the first match; its
+-- partition and offset went with the message row.
+SELECT coalesce((SELECT max(attempt) FROM outbox.attempts WHERE message_id = %(id)s), 0) + 1
+           AS attempt,
+       b.publisher_id, p.host, p.pid, NULL::bigint AS fence, b.id AS batch_id,
+       b.claimed_at AS started_at, true AS send_began, b.send_began_at, b.write_deadline,
+       b.settled_at AS finished_at, 'delivered' AS outcome, NULL::text AS error,
+       NULL::integer AS kafka_partition, NULL::bigint AS kafka_offset, b.transactional_id
+FROM outbox.batches AS b
+LEFT JOIN outbox.publishers AS p ON p.id = b.publisher_id
+WHERE b.id >= %(from)s AND b.settled_at IS NOT NULL
+  AND b.message_ids @> ARRAY[%(id)s::uuid]
+  AND b.id NOT IN (SELECT batch_id FROM outbox.attempts
+                   WHERE message_id = %(id)s AND batch_id IS NOT NULL)
+ORDER BY b.id
+LIMIT 1
+
+-- name: statement_timeout
+-- Bound the statements that follow in this transaction; returns the bound
+-- that held before, to put back.
+SELECT current_setting('statement_timeout') AS previous,
+       set_config('statement_timeout', %(timeout)s, true)
 
 -- name: message_claim
 -- The claim a message is in now (in flight), or that it is uncertain from;

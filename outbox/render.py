@@ -246,6 +246,7 @@ def timeline_json(t: Timeline) -> str:
             "attempts": t.attempts,
             "decisions": t.decisions,
             "timeline": [{"at": e.at, "event": e.event, **e.detail} for e in t.events],
+            "notes": list(t.notes),
         }
     )
 
@@ -292,6 +293,7 @@ def timeline_text(t: Timeline) -> str:
     out += [
         f"  {_time(e.at)}  {printable(e.event)}  {_detail(e.detail)}".rstrip() for e in t.events
     ]
+    out += [f"  (note: {printable(note)})" for note in t.notes]
     out += ["", f"next: {printable(t.next_action)}"]
     return "\n".join(out)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
-from outbox.ids import new_message_id
+from outbox.ids import created_at, new_message_id
 
 
 def test_new_message_id_is_a_uuid_version_7_with_the_rfc_9562_variant() -> None:
@@ -33,3 +34,16 @@ def test_id_embeds_the_current_unix_time_in_milliseconds() -> None:
     after = time.time()
     embedded_ms = message_id.int >> 80
     assert before * 1000 - 1000 <= embedded_ms <= after * 1000 + 1000
+
+
+def test_created_at_reads_the_time_back_and_refuses_other_versions() -> None:
+    """An id's creation time is its first 48 bits; a UUID of another version has none."""
+    before = datetime.now(UTC) - timedelta(milliseconds=1)
+    made = created_at(new_message_id())
+    assert made is not None
+    assert before <= made <= datetime.now(UTC)
+    ms = 1_700_000_000_123  # 2023-11-14 22:13:20.123 UTC
+    assert created_at(uuid.UUID(f"{ms:012x}70008000000000000000")) == datetime(
+        2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC
+    )
+    assert created_at(uuid.uuid4()) is None
