@@ -5,10 +5,12 @@ state and writes a row to ``outbox.decisions`` saying who decided what, when
 and why, in the same transaction.
 
 A decision is checked before it takes any lock (``decision_check``): one that
-will be refused holds nothing, so it never stalls a claim of the message's
-lane, even in a transaction its caller keeps open. Only a decision that will
-apply locks the message's lane (``resolve_lock``), so that it never races a
-claim; if the message changed in between, the decision is refused and its
+will be refused holds nothing, even in a transaction its caller keeps open.
+Only a decision that will apply takes the message's lane lock
+(``resolve_lock``, an advisory lock): it waits for a claim of the lane in
+progress, so it never races one, and until its transaction ends claims skip
+that lane (only that lane: the publisher's other lanes and its heartbeat go
+on). If the message changed in between, the decision is refused and its
 transaction (or savepoint) rolled back, which releases the lock. Decisions run
 only at READ COMMITTED: after waiting for a claim, a decision must see the
 batch that claim committed, which a snapshot taken before the wait (REPEATABLE

@@ -41,9 +41,11 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- earlier one in flight, uncertain, quarantined or waiting out a retry holds
 -- its key back, and only its key. Lanes make one publisher at a time claim a
 -- message: the lanes are read FOR SHARE, so none changes owner while the
--- claim runs, and an operator's decision on a pending message takes its
--- lane's row FOR UPDATE (resolve_lock), so it waits for a claim in progress
--- and a claim waits for it. The lease is the batch's, renewed by the
+-- claim runs. Each lane read also takes its advisory lock, shared, until the
+-- claim commits: an operator's decision on a pending message takes it
+-- exclusively (resolve_lock), so the decision waits for a claim in progress,
+-- and a claim skips a lane whose decision is not committed yet (its other
+-- lanes go on). The lease is the batch's, renewed by the
 -- heartbeat. The fence and attempt returned are those of this attempt: the
 -- settle writes them.
 -- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
@@ -57,11 +59,13 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- message that kills its publisher takes no neighbours with it once
 -- suspected, its recovery is its own (recover_expired_leases counts it), and
 -- nothing later, of its key or not, is claimed past it: its key stays in order.
-WITH mine AS (
+WITH mine AS MATERIALIZED (
     SELECT lane
-    FROM outbox.lanes
-    WHERE owner = %(owner)s AND lease_expires_at > now()
-    FOR SHARE
+    FROM (SELECT lane
+          FROM outbox.lanes
+          WHERE owner = %(owner)s AND lease_expires_at > now()
+          FOR SHARE) AS owned
+    WHERE pg_try_advisory_xact_lock_shared('outbox.lanes'::regclass::oid::integer, lane)
 ), open AS MATERIALIZED (
     SELECT message_ids, key_hashes FROM outbox.batches WHERE settled_at IS NULL
 ), candidates AS (
@@ -498,21 +502,24 @@ SELECT current_setting('transaction_isolation')
 
 -- name: resolve_lock
 -- Second step of an operator's decision, taken only once decision_check found
--- nothing to refuse, in the decision's transaction: lock the message and its
--- lane. A claim reads its lanes FOR SHARE, so this waits for a claim in
--- progress and holds later claims of the lane off until the decision commits;
--- resolve_message, the next statement, then sees every batch that names the
--- message: at READ COMMITTED, the only level decisions run at (a snapshot
--- taken before the wait would not see that claim's batch). A claim that
--- waited here reads the message as it was before the decision; mark_sending
--- drops it from the batch. A decision refused after this (the message changed
--- meanwhile) rolls its transaction, or savepoint, back, which releases both
--- locks.
-SELECT l.lane
+-- nothing to refuse, in the decision's transaction: lock the message, and its
+-- lane's advisory lock (keyed by outbox.lanes' oid and the lane number). A
+-- claim holds the shared lock of each lane it reads until it commits, so this
+-- waits for a claim in progress; resolve_message, the next statement, then
+-- sees every batch that names the message: at READ COMMITTED, the only level
+-- decisions run at (a snapshot taken before the wait would not see that
+-- claim's batch). Until the decision's transaction ends, claims skip the lane
+-- instead of waiting for it, and the lane row itself is not locked: a
+-- decision held open in a caller's long transaction holds back that lane's
+-- messages only, never the publisher's other lanes or its heartbeat. A claim
+-- whose snapshot was taken before the decision committed may still name the
+-- message; mark_sending drops it from the batch. A decision refused after
+-- this (the message changed meanwhile) rolls its transaction, or savepoint,
+-- back, which releases both locks.
+SELECT pg_advisory_xact_lock('outbox.lanes'::regclass::oid::integer, m.lane)
 FROM outbox.messages AS m
-JOIN outbox.lanes AS l ON l.lane = m.lane
 WHERE m.id = %(id)s
-FOR UPDATE OF m, l
+FOR UPDATE OF m
 
 -- name: resolve_message
 -- An operator's decision on one message, recorded with its reason. The

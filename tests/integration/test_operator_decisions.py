@@ -134,40 +134,83 @@ def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
     assert fetch_rows(database_url, "SELECT count(*) FROM outbox.decisions") == [(0,)]
 
 
-def _claim_while_discarding(
+def _lane(database_url: str, message_id: uuid.UUID) -> int:
+    [(lane,)] = fetch_rows(
+        database_url, "SELECT lane FROM outbox.messages WHERE id = %s", message_id
+    )
+    return int(lane)
+
+
+def _in_two_lanes(database_url: str) -> tuple[uuid.UUID, uuid.UUID]:
+    """Two pending messages whose keys fall in different lanes."""
+    with psycopg.connect(database_url) as conn:
+        first, *others = outbox.enqueue_many(
+            conn, [outbox.Message("t", b"1", key=f"k{n}") for n in range(8)]
+        )
+    lane = _lane(database_url, first)
+    other = next(m for m in others if _lane(database_url, m) != lane)
+    with psycopg.connect(database_url) as conn:
+        conn.execute("DELETE FROM outbox.messages WHERE id <> ALL(%s)", ([first, other],))
+    return first, other
+
+
+def test_a_decision_held_open_holds_back_its_lane_only(database_url: str) -> None:
+    """A decision in a transaction its caller keeps open: claims skip its message's lane
+    without waiting and take the other lanes' messages; the heartbeat renews every lane.
+    Once the decision commits, its lane is claimed again."""
+    discarded, other = _in_two_lanes(database_url)
+    with psycopg.connect(database_url) as conn:
+        behind = outbox.enqueue(conn, "t", b"3", key="k0")  # in the discarded one's lane
+    store = _claiming_store_with_lock_timeout(database_url)  # a wait would fail after 5 s
+    try:
+        with psycopg.connect(database_url) as operator:
+            operator.execute("SELECT 1")  # the caller's transaction, left open
+            discard(operator, discarded, "obsolete", fence=_fence(database_url, discarded))
+
+            batch = store.claim(10, lease_seconds=30)
+            assert batch is not None
+            assert [m.id for m in batch.messages] == [other]
+            assert len(store.renew_lanes(30.0)[0]) == 32
+            assert store.claim(10, lease_seconds=30) is None
+
+            operator.commit()
+        after = store.claim(10, lease_seconds=30)
+        assert after is not None
+        assert [m.id for m in after.messages] == [behind]
+    finally:
+        store.close()
+    assert fetch_rows(
+        database_url, "SELECT state FROM outbox.messages WHERE id = %s", discarded
+    ) == [("discarded",)]
+
+
+def _claim_from_before_a_discard(
     database_url: str, store: ClaimingStore, message_id: uuid.UUID
 ) -> Batch:
-    """Discard ``message_id`` in a transaction held open until a claim of its lane waits for
-    it; commit; return what that claim took (read with the snapshot it began with)."""
-    claimed: list[Batch | None] = []
+    """A claim whose snapshot was taken before ``message_id`` was discarded (a claim that
+    began just before the decision committed): return what it took."""
+    store.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    store.conn.execute("SELECT 1")  # the claim's snapshot, from before the discard
     with psycopg.connect(database_url) as operator:
-        operator.execute("SELECT 1")  # the caller's transaction: the decision's lock is held
         discard(operator, message_id, "obsolete", fence=_fence(database_url, message_id))
-        _run_while_held(
-            operator,
-            lambda: claimed.append(store.claim(10, 30.0)),
-            database_url,
-            f"outbox-publisher {store.publisher_id}",  # the store's application_name
-            "the claim",
-        )
-    [batch] = claimed
+    batch = store.claim(10, 30.0)
+    store.conn.execute("COMMIT")
     assert batch is not None
     return batch
 
 
-def test_a_claim_that_waited_for_a_discard_does_not_send_the_discarded_message(
+def test_a_claim_from_before_a_discard_does_not_send_the_discarded_message(
     database_url: str,
 ) -> None:
-    """A claim that began while a discard held its lane waits for it, then reads the messages
-    with the snapshot it began with: its batch names the discarded message. Marking the batch
-    sending (a fresh snapshot) leaves it out, so it is never sent."""
+    """A claim that read the messages before a discard committed names the discarded
+    message. Marking the batch sending (a fresh snapshot) leaves it out: it is never sent."""
     with psycopg.connect(database_url) as conn:
         discarded, kept = outbox.enqueue_many(
             conn, [outbox.Message("t", b"1", key="a"), outbox.Message("t", b"2", key="b")]
         )
     store = _claiming_store_with_lock_timeout(database_url)
     try:
-        batch = _claim_while_discarding(database_url, store, discarded)
+        batch = _claim_from_before_a_discard(database_url, store, discarded)
         assert [m.id for m in batch.messages] == [discarded, kept]  # read before the discard
 
         held = store.mark_sending(batch, {"t": 1}, 30.0)
@@ -214,13 +257,13 @@ def test_the_cli_decides_at_read_committed_whatever_the_servers_default(
 def test_a_batch_whose_only_message_was_discarded_is_closed_without_it(
     database_url: str,
 ) -> None:
-    """The claim that waited for the discard names only the discarded message: the mark
-    holds nothing, and settling nothing closes the batch, so it holds no key back."""
+    """The claim from before the discard names only the discarded message: the mark holds
+    nothing, and settling nothing closes the batch, so it holds no key back."""
     with psycopg.connect(database_url) as conn:
         message_id = outbox.enqueue(conn, "t", b"1", key="a")
     store = _claiming_store_with_lock_timeout(database_url)
     try:
-        batch = _claim_while_discarding(database_url, store, message_id)
+        batch = _claim_from_before_a_discard(database_url, store, message_id)
         assert store.mark_sending(batch, {"t": 1}, 30.0) == set()
 
         assert store.settle(batch, []) == set()
