@@ -422,12 +422,18 @@ WHERE later.id = ANY(%(ids)s::uuid[])
 -- name: decide_uncertain
 -- Apply the reconciler's decisions, each with its evidence, in one statement.
 -- to_state 'uncertain' escalates: the evidence is gone and an operator decides.
+-- A message whose row another transaction holds (an operator's decision not
+-- committed yet, which may stay open as long as its caller's transaction) is
+-- skipped, not waited for: the pass goes on, and the message, if still
+-- uncertain, is decided at a later one.
 WITH d AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[], %(to_states)s::text[],
                 %(partitions)s::integer[], %(offsets)s::bigint[], %(reasons)s::text[],
                 %(evidence)s::jsonb[])
          AS d(id, fence, to_state, kafka_partition, kafka_offset, reason, evidence)
+), free AS (
+    SELECT id FROM outbox.messages WHERE id = ANY(%(ids)s::uuid[]) FOR UPDATE SKIP LOCKED
 ), decided AS (
     UPDATE outbox.messages AS m
     SET state = d.to_state,
@@ -441,7 +447,7 @@ WITH d AS (
     FROM d
     -- Looked up by key, whatever the statistics say (see settle_batch): after
     -- a broker outage the uncertain messages may be many.
-    WHERE m.id = ANY(%(ids)s::uuid[])
+    WHERE m.id = ANY(%(ids)s::uuid[]) AND m.id IN (SELECT id FROM free)
       AND m.id = d.id AND m.fence = d.fence AND m.state COLLATE "C" = 'uncertain'
       AND m.escalated_at IS NULL
     RETURNING m.id, m.topic, d.to_state, d.kafka_partition, d.kafka_offset, d.reason,

@@ -217,7 +217,11 @@ class Reconciler:
         for d in decisions:
             mlog = MessageLog(log, d.message_id, fence=d.fence)
             if d.message_id not in changed:
-                mlog.warning("changed before the decision was stored")
+                mlog.warning(
+                    "not decided: it changed, or an operator's decision on it was not "
+                    "committed yet, when this one was stored; a later pass decides it if it "
+                    "is still uncertain"
+                )
                 continue
             bucket = {
                 State.DELIVERED: report.delivered,

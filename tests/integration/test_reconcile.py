@@ -20,8 +20,10 @@ import psycopg
 import pytest
 from kafka import KafkaAdminClient, TopicPartition
 from kafka.errors import KafkaError
+from psycopg.conninfo import make_conninfo
 
 import outbox
+from outbox.operator import Resolution, resolve
 from outbox.states import State
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
@@ -32,6 +34,7 @@ from publisher.store import Settlement
 from tests.support import (
     DELIVERY_MODES,
     LONG_ABSENCE_GRACE,
+    ClaimingStore,
     TransactionalSession,
     claiming_store,
     create_topic,
@@ -877,3 +880,43 @@ def test_a_range_longer_than_a_pass_on_a_busy_partition_is_decided(
     assert (state, kafka_offset) == (("delivered", at) if present else ("pending", None))
     [(_, _, _, _, _, evidence)] = _decisions(database_url)
     assert evidence["passes"] == passes + 1 > 1
+
+
+def test_a_message_an_operator_is_deciding_is_left_for_a_later_pass(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """An operator's decision not committed yet (held open in its caller's transaction)
+    holds its message's row: the reconciler decides the other messages and leaves that one,
+    instead of waiting for the caller."""
+    held = _enqueue(database_url, topic)
+    other = _enqueue(database_url, topic)
+    make_uncertain(database_url)
+    [(fence,)] = fetch_rows(database_url, "SELECT fence FROM outbox.messages WHERE id = %s", held)
+    # Waiting for the operator's transaction would fail after 5 s instead of hanging.
+    store = ClaimingStore(make_conninfo(database_url, options="-c lock_timeout=5s"), uuid.uuid4())
+    store.take_all_lanes()
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        with psycopg.connect(database_url) as operator:
+            operator.execute("SELECT 1")  # the caller's transaction, left open
+            resolve(
+                operator,
+                held,
+                Resolution.PENDING,
+                "sent again by hand",
+                fence=fence,
+                decided_by="an operator",
+            )
+
+            report = Reconciler(store, scanner, "test", absence_grace=0).run_once()
+
+            assert report.pending == [other]
+            assert _message(database_url, held)[0] == "uncertain"  # not committed yet
+            operator.commit()
+    finally:
+        scanner.close()
+        store.close()
+    assert [(d[0], d[1], d[3]) for d in _decisions(database_url)] == [
+        (held, "an operator", "pending"),
+        (other, "test", "pending"),
+    ]
