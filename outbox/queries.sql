@@ -881,6 +881,40 @@ WHERE state = %(state)s AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
 ORDER BY seq
 LIMIT %(limit)s
 
+-- name: count_to_purge
+-- What one purge with these windows would delete (outbox purge --dry-run), in
+-- one statement and one snapshot: the delivered messages purge_delivered
+-- would delete, and the evidence purge_attempts, purge_decisions and
+-- purge_batches would delete after them in the same run, that of those
+-- messages included.
+WITH doomed AS MATERIALIZED (
+    SELECT m.id FROM outbox.messages AS m
+    WHERE m.id < outbox.uuid7_floor(now() - %(delivered)s::interval)
+      AND m.state = 'delivered' AND m.delivered_at < now() - %(delivered)s::interval
+      AND NOT EXISTS (SELECT 1 FROM outbox.messages AS e
+                      WHERE m.key IS NOT NULL
+                        AND e.key IS NOT NULL AND e.key_hash = m.key_hash AND e.seq < m.seq
+                        AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
+                        AND e.topic = m.topic AND e.key = m.key)
+)
+SELECT
+    (SELECT count(*) FROM doomed),
+    (SELECT count(*) FROM outbox.attempts AS a
+     WHERE a.message_id < outbox.uuid7_floor(now() - %(evidence)s::interval)
+       AND coalesce(a.finished_at, a.started_at) < now() - %(evidence)s::interval
+       AND (a.message_id IN (SELECT id FROM doomed)
+            OR NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = a.message_id))),
+    (SELECT count(*) FROM outbox.decisions AS d
+     WHERE d.message_id < outbox.uuid7_floor(now() - %(evidence)s::interval)
+       AND d.decided_at < now() - %(evidence)s::interval
+       AND (d.message_id IN (SELECT id FROM doomed)
+            OR NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id))),
+    (SELECT count(*) FROM outbox.batches AS b
+     WHERE b.claimed_at < now() - %(evidence)s::interval
+       AND b.settled_at IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
+                       WHERE m.batch_id = b.id AND m.state = 'uncertain'))
+
 -- name: purge_delivered
 -- One bounded step of retention. Looks at up to `limit` messages after
 -- `after` in id order, enqueued before the cutoff (ids are UUIDv7: an id
@@ -915,17 +949,6 @@ deleted AS (
 )
 SELECT (SELECT id FROM scanned ORDER BY id DESC LIMIT 1), (SELECT count(*) FROM deleted)
 
--- name: count_delivered_to_purge
--- What purge_delivered would delete, earlier open messages of a key included.
-SELECT count(*) FROM outbox.messages AS m
-WHERE m.id < outbox.uuid7_floor(now() - %(age)s::interval)
-  AND m.state = 'delivered' AND m.delivered_at < now() - %(age)s::interval
-  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS e
-                  WHERE m.key IS NOT NULL
-                    AND e.key IS NOT NULL AND e.key_hash = m.key_hash AND e.seq < m.seq
-                    AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
-                    AND e.topic = m.topic AND e.key = m.key)
-
 -- name: purge_attempts
 -- One bounded step: attempts of messages enqueued before the cutoff whose
 -- message row is gone. The evidence of a message that exists is kept.
@@ -947,12 +970,6 @@ deleted AS (
 last AS (SELECT message_id, attempt FROM scanned ORDER BY message_id DESC, attempt DESC LIMIT 1)
 SELECT (SELECT message_id FROM last), (SELECT attempt FROM last), (SELECT count(*) FROM deleted)
 
--- name: count_attempts_to_purge
-SELECT count(*) FROM outbox.attempts AS a
-WHERE a.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
-  AND coalesce(a.finished_at, a.started_at) < now() - %(age)s::interval
-  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = a.message_id)
-
 -- name: purge_decisions
 -- As purge_attempts, for decisions.
 WITH scanned AS (
@@ -972,12 +989,6 @@ deleted AS (
 ),
 last AS (SELECT message_id, id FROM scanned ORDER BY message_id DESC, id DESC LIMIT 1)
 SELECT (SELECT message_id FROM last), (SELECT id FROM last), (SELECT count(*) FROM deleted)
-
--- name: count_decisions_to_purge
-SELECT count(*) FROM outbox.decisions AS d
-WHERE d.message_id < outbox.uuid7_floor(now() - %(age)s::interval)
-  AND d.decided_at < now() - %(age)s::interval
-  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m WHERE m.id = d.message_id)
 
 -- name: purge_batches
 -- One bounded step: closed batches claimed before the cutoff, except those
@@ -1003,13 +1014,6 @@ deleted AS (
 )
 SELECT CASE WHEN bool_and(s.old) THEN max(s.id) END, 0, (SELECT count(*) FROM deleted)
 FROM scanned AS s
-
--- name: count_batches_to_purge
-SELECT count(*) FROM outbox.batches AS b
-WHERE b.claimed_at < now() - %(age)s::interval
-  AND b.settled_at IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
-                  WHERE m.batch_id = b.id AND m.state = 'uncertain')
 
 -- name: last_seq
 -- outbox.testing: where a recorder starts (the highest seq written so far).

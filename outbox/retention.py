@@ -201,18 +201,10 @@ def _purge(
 def _count(
     conn: psycopg.Connection[Any], delivered_older_than: timedelta, evidence_older_than: timedelta
 ) -> PurgeReport:
-    counts = []
-    with conn.cursor() as cur:
-        for name, age in (
-            ("count_delivered_to_purge", delivered_older_than),
-            ("count_attempts_to_purge", evidence_older_than),
-            ("count_decisions_to_purge", evidence_older_than),
-            ("count_batches_to_purge", evidence_older_than),
-        ):
-            cur.execute(query(name), {"age": age})
-            row = cur.fetchone()
-            counts.append(row[0] if row else 0)
+    """What a purge would delete, counted in one statement (see count_to_purge)."""
+    row = conn.execute(
+        query("count_to_purge"),
+        {"delivered": delivered_older_than, "evidence": evidence_older_than},
+    ).fetchone()
     conn.rollback()
-    # A dry run counts attempts and decisions of messages that are gone now;
-    # those of the messages the purge would delete are not included.
-    return PurgeReport(*counts)
+    return PurgeReport(*row) if row else PurgeReport()

@@ -338,3 +338,39 @@ def test_purge_lets_a_discarded_earlier_message_go_unheeded(
     assert dict(fetch_rows(database_url, "SELECT id, state FROM outbox.messages")) == {
         first: "discarded"
     }
+
+
+def test_a_dry_run_counts_the_evidence_of_the_messages_it_would_delete(
+    database_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evidence of a message the same purge deletes goes in that purge: a dry run counts
+    it, and says what the purge then deletes, table by table."""
+    [message_id] = _enqueue(database_url, monkeypatch, [outbox.Message(topic, b"v")], days_ago=10)
+    _settle_by_hand(database_url, {message_id: "delivered"})
+    with psycopg.connect(database_url) as conn:
+        # A first attempt that failed and an operator's decision, both ten days ago.
+        conn.execute(
+            "INSERT INTO outbox.attempts (message_id, attempt, publisher_id, fence, started_at,"
+            " finished_at, outcome, error) VALUES (%s, 1, gen_random_uuid(), 1,"
+            " now() - interval '10 days', now() - interval '10 days', 'failed', 'refused')",
+            (message_id,),
+        )
+        conn.execute(
+            "INSERT INTO outbox.decisions (message_id, decided_at, decided_by, from_state,"
+            " to_state, reason) VALUES (%s, now() - interval '10 days', 'ops', 'quarantined',"
+            " 'pending', 'fixed')",
+            (message_id,),
+        )
+    windows = {"delivered_older_than": timedelta(days=7), "evidence_older_than": timedelta(days=7)}
+
+    with psycopg.connect(database_url) as conn:
+        dry = purge(conn, **windows, dry_run=True)
+        done = purge(conn, **windows)
+
+    assert (done.messages, done.attempts, done.decisions) == (1, 1, 1)
+    assert (dry.messages, dry.attempts, dry.decisions, dry.batches) == (
+        done.messages,
+        done.attempts,
+        done.decisions,
+        done.batches,
+    )
