@@ -194,8 +194,16 @@ def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
     ]
     if summary:
         out.append(table(_status_rows(summary, with_topic=False), right=frozenset({1, 3, 4})))
-    else:
+    elif topic is None:
         out.append("no messages")
+    elif all(line.exact for line in lines):
+        out.append("no messages of this topic: check its name (outbox status lists every topic)")
+    else:
+        out.append(
+            "no open messages of this topic, and none delivered that the estimate sees "
+            "(delivered messages are estimated on a large table): check its name "
+            "(outbox status lists every topic)"
+        )
     if per_topic:
         out += [
             "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import unicodedata
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -120,6 +121,17 @@ def test_status_text_escapes_topics_keys_and_reasons() -> None:
     assert "\\x1b[2J\\x1b[Hok\\x07\\nFAKE LINE" in text
     assert not any(line.startswith("FAKE LINE") for line in text.splitlines())
     assert "  orders / \\x1b[2J" in text
+
+
+def test_status_of_a_topic_with_no_line_says_to_check_its_name() -> None:
+    """--topic with a name no line has (a typo) says so, and whether the count was estimated."""
+    lines = [_status_line(None, "pending", "none"), _status_line("orders", "pending", "none")]
+    text = status_text(lines, [], topic="ordres")
+    assert "no messages of this topic: check its name" in text
+    estimated = [*lines, replace(_status_line(None, "delivered", "none"), exact=False)]
+    text = status_text(estimated, [], topic="ordres")
+    assert "no open messages of this topic, and none delivered that the estimate sees" in text
+    assert status_text([], [], topic=None).endswith("ALL TOPICS\nno messages")
 
 
 def test_a_key_that_is_not_utf8_shows_as_hex() -> None:
