@@ -361,11 +361,11 @@ def test_a_dry_run_counts_the_evidence_of_the_messages_it_would_delete(
             " 'pending', 'fixed')",
             (message_id,),
         )
-    windows = {"delivered_older_than": timedelta(days=7), "evidence_older_than": timedelta(days=7)}
+    week = timedelta(days=7)
 
     with psycopg.connect(database_url) as conn:
-        dry = purge(conn, **windows, dry_run=True)
-        done = purge(conn, **windows)
+        dry = purge(conn, delivered_older_than=week, evidence_older_than=week, dry_run=True)
+        done = purge(conn, delivered_older_than=week, evidence_older_than=week)
 
     assert (done.messages, done.attempts, done.decisions) == (1, 1, 1)
     assert (dry.messages, dry.attempts, dry.decisions, dry.batches) == (
