@@ -173,6 +173,12 @@ class AsyncPsycopgExecutor:
                     await pipeline.sync()
 
 
+#: A caller's connection may stream results (``execution_options(stream_results=True)``,
+#: as ``yield_per`` sets): that opens a server-side cursor, which PostgreSQL refuses for
+#: an INSERT (and the caller's transaction would fail). The library's statements never do.
+_CLIENT_CURSOR = {"stream_results": False}
+
+
 class SQLAlchemyExecutor:
     """Executes through a SQLAlchemy connection so its transaction tracks the write."""
 
@@ -181,7 +187,7 @@ class SQLAlchemyExecutor:
 
     def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute with ``exec_driver_sql``: the SQL goes to psycopg unchanged."""
-        result = self._conn.exec_driver_sql(sql, params)
+        result = self._conn.exec_driver_sql(sql, params, execution_options=_CLIENT_CURSOR)
         return [tuple(row) for row in result] if result.returns_rows else []
 
     @contextmanager
@@ -199,7 +205,7 @@ class AsyncSQLAlchemyExecutor:
 
     async def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute with ``exec_driver_sql``: the SQL goes to psycopg unchanged."""
-        result = await self._conn.exec_driver_sql(sql, params)
+        result = await self._conn.exec_driver_sql(sql, params, execution_options=_CLIENT_CURSOR)
         return [tuple(row) for row in result] if result.returns_rows else []
 
     @asynccontextmanager
@@ -296,11 +302,17 @@ def unscoped(conn: object) -> object:
 
 @contextmanager
 def _bound(session: object) -> Iterator[None]:
-    """Name the way out when a session has no default bind to take a connection from."""
-    from sqlalchemy.exc import UnboundExecutionError  # noqa: PLC0415
+    """Name the way out when a session cannot give its connection: it has no default bind
+    to take one from, or its transaction failed (a flush or statement raised)."""
+    from sqlalchemy.exc import PendingRollbackError, UnboundExecutionError  # noqa: PLC0415
 
     try:
         yield
+    except PendingRollbackError as exc:
+        raise TransactionAborted(
+            f"the {_kind(session)}'s transaction has already failed (an earlier flush or "
+            "statement raised); roll it back before enqueuing"
+        ) from exc
     except UnboundExecutionError as exc:
         raise ConnectionNotSupported(
             f"the {_kind(session)} has no default bind (it binds per mapper or table), so "

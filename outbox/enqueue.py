@@ -98,7 +98,8 @@ class Outbox:
         intents or none (see ``_needs_savepoint``).
         """
         intents = self._intents(messages)
-        return _run(executor_for(conn), intents) if intents else []
+        executor = executor_for(conn)  # checked even for no messages
+        return _run(executor, intents) if intents else []
 
     async def enqueue_async(
         self,
@@ -120,7 +121,8 @@ class Outbox:
     ) -> list[uuid.UUID]:
         """``enqueue_many`` on an async connection."""
         intents = self._intents(messages)
-        return await _run_async(await async_executor_for(conn), intents) if intents else []
+        executor = await async_executor_for(conn)  # checked even for no messages
+        return await _run_async(executor, intents) if intents else []
 
     def _intent(
         self,
@@ -206,8 +208,24 @@ def _needs_savepoint(intents: Sequence[Intent]) -> bool:
 
 
 def _insert(intents: Sequence[Intent]) -> Steps:
-    """Insert intents, one statement per 5,000; return their ids in order."""
+    """Insert intents, one statement per 5,000; return their ids in order.
+
+    Each statement locks its keys in one global order. A call of several
+    statements first takes the locks of all its keys in that order: locked one
+    statement at a time, two such calls could each hold a key the other's
+    next statement waits for (a deadlock, and PostgreSQL aborts one).
+    """
     ids: list[uuid.UUID] = []
+    if len(intents) > MAX_ROWS_PER_STATEMENT:
+        keyed = [i for i in intents if i.key is not None]
+        if keyed:
+            yield (
+                query("lock_keys"),
+                {
+                    "topics": [i.topic for i in keyed],
+                    "keys": [i.key for i in keyed],
+                },
+            )
     for start in range(0, len(intents), MAX_ROWS_PER_STATEMENT):
         ids += yield from _insert_statement(intents[start : start + MAX_ROWS_PER_STATEMENT])
     return ids
@@ -221,16 +239,16 @@ def _insert_statement(intents: Sequence[Intent]) -> Steps:
         params.extend(
             (i.id, i.topic, i.key, i.value, i.header_names, i.header_values, i.idempotency_key)
         )
-    inserted = {row[0] for row in (yield sql, tuple(params))}
+    inserted = {_uuid(row[0]) for row in (yield sql, tuple(params))}
     if len(inserted) == len(intents):
         return [i.id for i in intents]
     # Some keys were taken. This second statement runs with a fresh snapshot
     # (READ COMMITTED), so it also sees an intent that a concurrent transaction
     # committed while our INSERT waited on the unique index.
     missing = [i.idempotency_key for i in intents if i.id not in inserted]
-    existing: dict[str, uuid.UUID] = dict(
-        (yield query("ids_by_idempotency_key"), {"keys": missing})
-    )
+    existing = {
+        key: _uuid(id_) for key, id_ in (yield query("ids_by_idempotency_key"), {"keys": missing})
+    }
     ids = []
     for i in intents:
         if i.id in inserted:
@@ -243,6 +261,12 @@ def _insert_statement(intents: Sequence[Intent]) -> Steps:
                 "retry the transaction"
             )
     return ids
+
+
+def _uuid(value: object) -> uuid.UUID:
+    """An id as read back: a UUID, whatever loader the caller's connection has for the type
+    (a text loader returns the string)."""
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 _default = Outbox()

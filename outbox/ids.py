@@ -17,6 +17,16 @@ _last_ms = 0
 _counter = 0
 
 
+def _after_fork() -> None:
+    """A forked child gets a fresh lock: another thread may have held the parent's at the
+    fork, and no thread of the child would ever release it."""
+    global _lock  # noqa: PLW0603 - replaced, not shared, in the child
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def new_message_id() -> uuid.UUID:
     """Return a new UUIDv7; ids from one process are strictly increasing."""
     global _last_ms, _counter  # noqa: PLW0603 - one monotonic clock per process

@@ -191,8 +191,9 @@ def encode_headers(
         if not isinstance(name, str) or not name:
             raise InvalidHeaders(f"header name {_short(name)} must be a non-empty str")
         _text(name, f"header name {_short(name)}", InvalidHeaders)
-        if name == ID_HEADER:
-            raise InvalidHeaders(f"header {ID_HEADER!r} is reserved: the publisher sets it")
+        if name.lower() == ID_HEADER:
+            # In any case: a consumer may read header names case-insensitively.
+            raise InvalidHeaders(f"header {name!r} is reserved: the publisher sets {ID_HEADER!r}")
         if isinstance(value, str):
             encoded = _utf8(value, f"header {name!r}'s value", InvalidHeaders)
         elif isinstance(value, bytes):

@@ -5,7 +5,8 @@
 -- name: insert_messages
 -- Insert intents; {rows} is one typed "(%s, ...)" group per intent. First,
 -- take a transaction-scoped advisory lock per key (in a fixed order, so two
--- transactions never wait on each other in a cycle): enqueues of one key
+-- of these statements never wait on each other in a cycle; a call of several
+-- statements takes all its locks first, see lock_keys): enqueues of one key
 -- serialise until commit, so one key's seq follow its commit order. The locks
 -- are taken before any row (and its seq) is produced. A row whose idempotency
 -- key is already taken is skipped, and its id is not returned.
@@ -25,6 +26,17 @@ FROM intent
 WHERE (SELECT keys FROM locked) >= 0
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
+
+-- name: lock_keys
+-- The key locks of an enqueue_many of several insert_messages statements, all
+-- taken before the first row is written and in the order insert_messages
+-- takes them (by the same hash of topic and key), so that two such calls
+-- never wait on each other in a cycle. Each insert then takes its own again,
+-- at once: a transaction holding a lock takes it again without waiting.
+SELECT count(pg_advisory_xact_lock(lock_key))
+FROM (SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
+      FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
+      ORDER BY lock_key) AS keys
 
 -- name: ids_by_idempotency_key
 SELECT idempotency_key, id

@@ -13,9 +13,11 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from psycopg.types.string import TextLoader
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
+from outbox.enqueue import MAX_ROWS_PER_STATEMENT
 from tests.support import wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
@@ -332,3 +334,129 @@ def test_many_concurrent_writers_with_one_key_make_one_row(database_url: str) ->
         ids = list(pool.map(writer, range(8)))
     assert len(set(ids)) == 1
     assert len(_rows(database_url)) == 1
+
+
+def test_two_calls_of_several_statements_lock_their_keys_in_one_order(database_url: str) -> None:
+    """Two enqueue_many calls of more than 5,000 messages, each with key a in its first
+    statement's rows and b in its second's, the other way round for the other: each takes
+    all its key locks before writing, in one order, so neither deadlocks the other."""
+    filler = [outbox.Message("orders", b"-") for _ in range(MAX_ROWS_PER_STATEMENT)]
+
+    def call(first: str, then: str) -> list[outbox.Message]:
+        return [
+            outbox.Message("orders", first, key=first),
+            *filler,
+            outbox.Message("orders", then, key=then),
+        ]
+
+    names = [f"enqueuer-{n}-{uuid.uuid4().hex[:8]}" for n in range(2)]
+    with psycopg.connect(database_url) as holder:
+        # Both keys held, so that both calls are under way, waiting, when they are let go.
+        outbox.enqueue_many(
+            holder, [outbox.Message("orders", "a", key="a"), outbox.Message("orders", "b", key="b")]
+        )
+
+        def enqueue_in(name: str, messages: list[outbox.Message]) -> list[uuid.UUID]:
+            with psycopg.connect(database_url, application_name=name) as conn:
+                return outbox.enqueue_many(conn, messages)
+
+        with ThreadPoolExecutor(2) as pool:
+            calls = [
+                pool.submit(enqueue_in, names[0], call("a", "b")),
+                pool.submit(enqueue_in, names[1], call("b", "a")),
+            ]
+            wait_until(
+                lambda: all(waiting_on_lock(database_url, name) for name in names),
+                timeout=30,
+                what="both calls to wait for the keys",
+            )
+            holder.commit()
+            results = [c.result(timeout=60) for c in calls]
+    assert [len(ids) for ids in results] == [len(filler) + 2] * 2
+    assert _count_rows(database_url) == 2 + 2 * (len(filler) + 2)
+
+
+def _count_rows(database_url: str) -> int:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox.messages").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize(
+    "opener", [_sa_connection, _sa_session], ids=["sa-connection", "sa-session"]
+)
+def test_a_streaming_sqlalchemy_connection_enqueues_like_any_other(
+    database_url: str, opener: Opener
+) -> None:
+    """A connection set to stream results (as yield_per does) would open a server-side
+    cursor, which PostgreSQL refuses for an INSERT: the library's statements never stream."""
+    with opener(database_url) as conn:
+        streaming = conn.connection() if isinstance(conn, Session) else conn
+        streaming.execution_options(stream_results=True)
+        message_id = outbox.enqueue(conn, "orders", b"x", idempotency_key="streamed")
+        assert outbox.enqueue(conn, "orders", b"y", idempotency_key="streamed") == message_id
+        conn.commit()
+    assert [(row[0], row[3]) for row in _rows(database_url)] == [(message_id, b"x")]
+
+
+def test_a_session_whose_flush_failed_is_reported_as_an_aborted_transaction(
+    database_url: str,
+) -> None:
+    """After a failed flush the session must be rolled back (SQLAlchemy raises
+    PendingRollbackError until it is): enqueue says so with TransactionAborted, an
+    OutboxError, as on a connection whose statement failed."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Order(Base):
+        __tablename__ = "orders_flushed"
+        id: Mapped[int] = mapped_column(primary_key=True)
+
+    engine = sa.create_engine(_sa_url(database_url))
+    try:
+        Base.metadata.create_all(engine)
+        with Session(engine) as session:
+            session.add_all([Order(id=1)])
+            session.commit()
+            session.add(Order(id=1))
+            with pytest.raises(sa.exc.IntegrityError):
+                session.flush()
+            with pytest.raises(outbox.TransactionAborted, match="roll it back"):
+                outbox.enqueue(session, "orders", b"x")
+            session.rollback()
+            outbox.enqueue(session, "orders", b"after the rollback")
+            session.commit()
+    finally:
+        engine.dispose()
+    assert [row[3] for row in _rows(database_url)] == [b"after the rollback"]
+
+
+def test_ids_are_uuids_whatever_the_connection_loads_uuids_as(database_url: str) -> None:
+    """A connection whose uuid columns load as text: the ids returned are still UUIDs, and a
+    taken idempotency key still resolves to its message in a call of several."""
+    with psycopg.connect(database_url) as conn:
+        conn.adapters.register_loader("uuid", TextLoader)
+        first = outbox.enqueue(conn, "orders", b"1", idempotency_key="k")
+        again = outbox.enqueue_many(
+            conn,
+            [outbox.Message("orders", b"2"), outbox.Message("orders", b"3", idempotency_key="k")],
+        )
+    assert isinstance(first, uuid.UUID)
+    assert again[1] == first
+    assert [row[0] for row in _rows(database_url)] == [first, again[0]]
+
+
+@OPENERS
+def test_an_empty_enqueue_many_checks_the_connection_too(database_url: str, opener: Opener) -> None:
+    """No messages still need a usable transaction: an autocommit connection is refused."""
+    with pytest.raises(outbox.ConnectionNotSupported):
+        outbox.enqueue_many(object(), [])
+    with (
+        psycopg.connect(database_url, autocommit=True) as conn,
+        pytest.raises(outbox.NoOpenTransaction),
+    ):
+        outbox.enqueue_many(conn, [])
+    with opener(database_url) as conn:
+        assert outbox.enqueue_many(conn, []) == []

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
+from outbox import ids
 from outbox.ids import created_at, new_message_id
 
 
@@ -47,3 +50,23 @@ def test_created_at_reads_the_time_back_and_refuses_other_versions() -> None:
         2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC
     )
     assert created_at(uuid.uuid4()) is None
+
+
+def test_a_forked_child_makes_ids_while_a_parent_thread_held_the_lock() -> None:
+    """A fork while another thread holds the id lock would leave the child's copy locked
+    for ever: the child gets a fresh lock."""
+    with ids._lock:  # as another thread of the parent might be, at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: makes an id, or hangs
+            new_message_id()
+            os._exit(0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the child hung making an id")

@@ -242,6 +242,8 @@ def test_encode_headers(headers: Any, names: list[str], values: list[bytes]) -> 
         (42, "got int"),
         ({"outbox-id": b"x"}, "reserved"),
         ([("a", b"1"), ("outbox-id", "x")], "reserved"),
+        ({"Outbox-Id": b"x"}, "header 'Outbox-Id' is reserved"),
+        ({"OUTBOX-ID": "x"}, "reserved"),
     ],
 )
 def test_encode_headers_refuses_with_a_message_naming_the_problem(
