@@ -104,7 +104,9 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
     store = PublisherStore(database_url, uuid.uuid4())
     scanner = KafkaLogScanner(kafka_bootstrap, security=security)
     try:
-        moved = store.recover_expired_leases()
+        moved = []
+        while recovered := store.recover_expired_leases():  # a page of batches at a time
+            moved += recovered
         to_pending = sum(1 for r in moved if r.state is State.PENDING)
         print(
             f"expired leases recovered: {len(moved)} "
@@ -117,15 +119,12 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
             absence_grace=config.absence_grace,
             fencer=KafkaFencer(kafka_bootstrap, security=security),
         )
-        while True:
-            report = reconciler.run_once()
+        for report in reconciler.run_cycle():
             print(
                 f"reconciled: {len(report.delivered)} delivered, {len(report.pending)} pending "
                 f"(proven absent), {len(report.escalated)} escalated, "
                 f"{len(report.deferred)} deferred"
             )
-            if not reconciler.pages_left:
-                break
         with connect(database_url) as conn:
             left = next(
                 line.messages

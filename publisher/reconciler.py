@@ -50,8 +50,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from kafka.errors import KafkaError
 
 from outbox.states import State
 from publisher.fencing import Fencer
@@ -143,6 +146,42 @@ class _Range:
 DEFAULT_ABSENCE_GRACE = 30.0
 
 
+class _Unread:
+    """The topics and partitions of one pass that Kafka would not let be read.
+
+    One that fails (a record the client cannot decode, a topic the scanner may
+    not read, a partition offline) defers its own messages only: the pass
+    decides and stores the others. When every one failed, the pass fails with
+    the first error, as Kafka being away does.
+    """
+
+    def __init__(self, messages: int) -> None:
+        self.messages = messages
+        self.deferred = 0
+        self.failures: list[KafkaError] = []
+
+    @contextmanager
+    def group(
+        self, where: str, messages: Sequence[UncertainMessage], report: ReconcileReport
+    ) -> Iterator[None]:
+        try:
+            yield
+        except KafkaError as exc:
+            self.failures.append(exc)
+            self.deferred += len(messages)
+            log.warning(
+                "reconciliation of %s goes on next pass (%d message(s) wait): %s",
+                where,
+                len(messages),
+                exc,
+            )
+            report.deferred.extend(m.id for m in messages)
+
+    def raise_if_all_failed(self) -> None:
+        if self.failures and self.deferred >= self.messages:
+            raise self.failures[0]
+
+
 class Reconciler:
     """Decides uncertain messages; ``run_once`` is one pass over those that are due."""
 
@@ -175,11 +214,27 @@ class Reconciler:
         self._ranges: dict[tuple[uuid.UUID, int], _Range] = {}
         #: Where the next pass's page begins: after this ``seq`` (0: the start).
         self._after = 0
+        #: Whether the last pass read the first page (the first pass, or one that
+        #: started over after the last page).
+        self.read_first_page = False
 
     @property
     def pages_left(self) -> bool:
         """Whether the last pass's page was full: the next pass goes on after it."""
         return self._after != 0
+
+    def run_cycle(self) -> Iterator[ReconcileReport]:
+        """Passes, one per page, until every page was read once (``outbox-publisher
+        reconcile``). A full last page is followed by a pass that starts over at the
+        first page: that one ends the cycle too, and what still waits there waits
+        for the next cycle."""
+        passes = 0
+        while True:
+            report = self.run_once()
+            passes += 1
+            yield report
+            if not self.pages_left or (passes > 1 and self.read_first_page):
+                return
 
     def run_once(self) -> ReconcileReport:
         """Decide the next page of due uncertain messages (up to ``limit``) and record the
@@ -197,6 +252,7 @@ class Reconciler:
             after = 0  # the last page was full, and nothing came after it: start over
             due = self.store.uncertain_due(self.limit, self.absence_grace)
         self._after = due[-1].seq if len(due) >= self.limit else 0
+        self.read_first_page = after == 0
         if after == 0 and len(due) < self.limit:
             # Every due message is in this page: ranges of messages no longer
             # uncertain (decided elsewhere) are forgotten.
@@ -209,8 +265,11 @@ class Reconciler:
         by_topic: dict[str, list[UncertainMessage]] = defaultdict(list)
         for message in due:
             by_topic[message.topic].append(message)
+        unread = _Unread(len(due))
         for topic, messages in by_topic.items():
-            decisions.extend(self._decide_topic(topic, messages, report))
+            with unread.group(f"topic {topic!r}", messages, report):
+                decisions.extend(self._decide_topic(topic, messages, report, unread))
+        unread.raise_if_all_failed()
         for d in decisions:
             self._ranges.pop((d.message_id, d.fence), None)
         changed = self.store.decide(decisions, self.decided_by)
@@ -238,7 +297,11 @@ class Reconciler:
         return report
 
     def _decide_topic(
-        self, topic: str, messages: Sequence[UncertainMessage], report: ReconcileReport
+        self,
+        topic: str,
+        messages: Sequence[UncertainMessage],
+        report: ReconcileReport,
+        unread: _Unread,
     ) -> list[Decision]:
         count = self.scanner.partition_count(topic)
         if count is None:
@@ -271,9 +334,10 @@ class Reconciler:
             return policy[0]
 
         for partition, group in by_partition.items():
-            decisions.extend(
-                self._decide_partition(topic, partition, group, report, cleanup_policy)
-            )
+            with unread.group(f"{topic}[{partition}]", group, report):
+                decisions.extend(
+                    self._decide_partition(topic, partition, group, report, cleanup_policy)
+                )
             self.progress()
         return decisions
 

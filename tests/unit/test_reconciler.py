@@ -7,6 +7,7 @@ where neither compaction nor a later message of its key can explain it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from collections.abc import Collection, Sequence
@@ -571,3 +572,63 @@ def test_on_a_busy_compacted_topic_records_of_its_key_past_the_bound_are_looked_
     else:
         assert decision.to_state is State.PENDING
     assert max(end for _, end in log.scans) < log.end  # never chasing the moving end
+
+
+class TwoTopicScanner(FakeScanner):
+    """A log per topic; reading ``broken`` fails as a record the client cannot decode does."""
+
+    def __init__(self, broken: str, found: UncertainMessage) -> None:
+        super().__init__(Scan(found={str(found.id): [3]}))
+        self.broken = broken
+
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+    ) -> Scan:
+        """Fails on the broken topic; the scripted scan elsewhere."""
+        if topic == self.broken:
+            raise kafka_errors.CorruptRecordError("a header name is not UTF-8")
+        return super().find(topic, partition, start, end, ids, keys=keys)
+
+
+def test_a_partition_that_cannot_be_read_defers_its_own_messages_only() -> None:
+    """One topic's log cannot be read: its message waits for a later pass, and the other
+    topic's message is decided and stored in the same pass."""
+    found = _uncertain(key=b"a")
+    stuck = replace(_uncertain(key=b"b"), topic="shared", seq=8)
+    store = FakeStore([found, stuck])
+
+    report = Reconciler(store, TwoTopicScanner("shared", found), "test").run_once()
+
+    assert (report.delivered, report.deferred) == ([found.id], [stuck.id])
+    assert [d.message_id for d in store.decisions] == [found.id]
+
+
+def test_a_pass_in_which_nothing_could_be_read_fails_as_kafka_being_away_does() -> None:
+    """Every due message's log failed: the pass raises the error (the loop then says Kafka
+    is unavailable) and decides nothing."""
+    stuck = replace(_uncertain(key=b"b"), topic="shared")
+    store = FakeStore([stuck])
+
+    with pytest.raises(kafka_errors.CorruptRecordError):
+        Reconciler(store, TwoTopicScanner("shared", stuck), "test").run_once()
+    assert store.decisions == []
+
+
+@pytest.mark.parametrize("waiting", [2, 3, 4])
+def test_a_cycle_reads_every_page_once_and_ends(waiting: int) -> None:
+    """outbox-publisher reconcile's cycle ends after the last page, also when the messages
+    that wait fill their pages exactly (the pass after a full last page starts over)."""
+    early = [replace(_uncertain(absence_due=False), seq=seq) for seq in range(1, waiting + 1)]
+    reconciler = Reconciler(FakeStore(early), FakeScanner(records=[]), "test", limit=2)
+
+    reports = list(itertools.islice(reconciler.run_cycle(), 10))
+
+    assert len(reports) == (waiting + 1) // 2 + (1 if waiting % 2 == 0 else 0)
+    assert {i for r in reports for i in r.deferred} == {m.id for m in early}
