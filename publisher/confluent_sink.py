@@ -41,6 +41,7 @@ from publisher.sink import (
     hand_over_closed,
     held_back,
     key_identity,
+    opening_producer,
     transaction_failed,
     window_open,
 )
@@ -330,7 +331,8 @@ class ConfluentSink:
         purged from the queue at once, with every record still queued, and
         nothing more is handed over.
         """
-        producer = self._get_producer()
+        with opening_producer():
+            producer = self._get_producer()
         in_flight = _ConfluentInFlight(producer, [None] * len(records))
         refused_keys: set[tuple[str, bytes] | None] = set()
         for index, r in enumerate(records):

@@ -67,6 +67,7 @@ from publisher.sink import (
     HandOverClosed,
     NotHandedOver,
     OutgoingRecord,
+    ProducerUnavailable,
     SendReport,
     SendWindow,
     Sink,
@@ -733,7 +734,17 @@ class Publisher:
             group = [r for r in candidates if keys.get(r.message_id) not in stopped_keys]
             if not group:
                 continue
-            in_flight = self.sink.send(group, window=window)
+            try:
+                in_flight = self.sink.send(group, window=window)
+            except ProducerUnavailable as exc:
+                # Nothing of this group was handed over (a producer discarded
+                # after an earlier group could not be opened again): it and
+                # the rest go back unsent, and the batch settles.
+                log.warning("batch's later records not sent: %s", exc)
+                self.health.kafka.failed(exc)
+                for later in records[records.index(group[0]) :]:
+                    unsent.setdefault(later.message_id, f"not sent: {exc}")
+                break
             self.faults.reached("after_send")
             reports = self.sink.complete(in_flight)
             self._progress()

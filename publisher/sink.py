@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +81,21 @@ def transaction_failed() -> SendReport:
     return SendReport(
         None, None, TransactionFailed("an earlier record of its transaction failed"), False
     )
+
+
+class ProducerUnavailable(NotHandedOver):
+    """Raised by ``send`` before any record was handed over: no producer could be opened
+    (no broker answered within ``max_block_ms``, or the session could not begin)."""
+
+
+@contextlib.contextmanager
+def opening_producer() -> Iterator[None]:
+    """Around a sink's opening of its producer in ``send``: a failure there handed nothing
+    over, and says so as ``ProducerUnavailable``."""
+    try:
+        yield
+    except Exception as exc:
+        raise ProducerUnavailable(f"no producer could be opened: {exc}") from exc
 
 
 def hand_over_closed() -> SendReport:
@@ -431,7 +446,8 @@ class KafkaSink:
         The producer's socket writes are guarded from here until every record
         is answered: none is written after the window's write deadline.
         """
-        producer = self._get_producer()
+        with opening_producer():
+            producer = self._get_producer()
         assert self._guard is not None
         self._guard.arm(window)
         in_flight = _KafkaInFlight()

@@ -24,11 +24,12 @@ from outbox.ids import new_message_id
 from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.loop import HAND_OVER_CLOSED, OUTAGE, Publisher
-from publisher.outcomes import TransactionEnd
+from publisher.outcomes import AttemptOutcome, TransactionEnd
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler
 from publisher.sink import (
     OutgoingRecord,
+    ProducerUnavailable,
     SendReport,
     SendWindow,
     hand_over_closed,
@@ -1267,3 +1268,34 @@ def test_the_loop_claims_once_more_after_announcing_its_sleep_and_ends_it_when_b
 
     loop = [e for e in events if e in ("claim", "fall_asleep", "awake", "wait")]
     assert loop == ["claim", "awake", "claim", "fall_asleep", "claim", "fall_asleep", "wait"]
+
+
+def test_a_producer_that_cannot_be_opened_again_mid_batch_sends_the_rest_back_unsent() -> None:
+    """The lone record ends uncertain and its producer is discarded; opening the next one
+    fails (no broker answers). The loop does not die: the rest of the batch was never
+    handed over, and settles pending, unsent, with no failure counted."""
+    lone = replace(_message(key=b"a"), send_alone=True)
+    rest = _message(key=b"b")
+    _, store, sink, publisher = _setup(lone, rest)
+    sink.reports[lone.id] = SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True)
+    sends = 0
+    real_send = sink.send
+
+    def send_once(records: Sequence[OutgoingRecord], **kw: Any) -> list[OutgoingRecord]:
+        nonlocal sends
+        sends += 1
+        if sends > 1:
+            raise ProducerUnavailable("no producer could be opened: KafkaTimeoutError")
+        return real_send(records, **kw)
+
+    sink.send = send_once  # type: ignore[method-assign]
+
+    publisher.run_once()
+
+    [settled] = store.settled
+    assert [(s.state, s.attempt_outcome) for s in settled] == [
+        (State.UNCERTAIN, AttemptOutcome.UNCERTAIN),
+        (State.PENDING, AttemptOutcome.ABANDONED),
+    ]
+    assert settled[1].error == "not sent: no producer could be opened: KafkaTimeoutError"
+    assert publisher.health.kafka.error_type == "ProducerUnavailable"
