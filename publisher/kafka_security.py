@@ -163,6 +163,7 @@ KAFKA_PYTHON_FIXED: Mapping[str, str] = {
     "ssl_certfile": "use the Kafka security settings (--kafka-ssl-certfile)",
     "ssl_keyfile": "use the Kafka security settings (--kafka-ssl-keyfile)",
     "ssl_password": "use the Kafka security settings (OUTBOX_KAFKA_SSL_KEY_PASSWORD)",
+    "proxy_url": "the connection to the brokers is the Kafka security settings' alone",
 }
 
 #: librdkafka properties the publisher sets itself (aliases included), and why.
@@ -204,15 +205,28 @@ LIBRDKAFKA_FIXED: Mapping[str, str] = {
         "use the Kafka security settings (--kafka-security-protocol, --kafka-sasl-*, "
         "--kafka-ssl-*)",
     ),
+    "default.topic.config": "its topic properties would override those the publisher sets "
+    "(message.timeout.ms): give each as a property of its own",
+}
+
+#: Prefixes of the security settings, all of which the Kafka security settings own: those
+#: the publisher supports are set there, and any other (Kerberos, OAuth, cipher lists,
+#: revocation lists) would change how it connects behind their back.
+_SECURITY_PREFIXES = {
+    "kafka-python": ("security_", "sasl_", "ssl_"),
+    "librdkafka": ("security.", "sasl.", "ssl.", "ssl_"),
 }
 
 
 def refuse_fixed(extra: Mapping[str, Any], fixed: Mapping[str, str], library: str) -> None:
-    """Raise ``ConfigError`` naming every key of ``extra`` that ``fixed`` reserves."""
+    """Raise ``ConfigError`` naming every key of ``extra`` that ``fixed`` reserves, and every
+    security setting of ``library``."""
+    security = _SECURITY_PREFIXES.get(library, ())
     refused = [
-        f"{library} setting {key!r} cannot be set through the sink's extras: {fixed[key]}"
+        f"{library} setting {key!r} cannot be set through the sink's extras: "
+        + fixed.get(key, "use the Kafka security settings (see docs/security.md)")
         for key in extra
-        if key in fixed
+        if key in fixed or key.startswith(security)
     ]
     if refused:
         raise ConfigError("invalid Kafka producer settings:\n  " + "\n  ".join(refused))

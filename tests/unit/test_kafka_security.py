@@ -169,7 +169,18 @@ def test_hostname_checks_turn_off_only_on_purpose() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["acks", "enable_idempotence", "max_in_flight_requests_per_connection", "retries"]
+    "key",
+    [
+        "acks",
+        "enable_idempotence",
+        "max_in_flight_requests_per_connection",
+        "retries",
+        "sasl_oauth_token_provider",
+        "sasl_kerberos_service_name",
+        "ssl_crlfile",
+        "ssl_ciphers",
+        "proxy_url",
+    ],
 )
 def test_kafka_sink_refuses_extras_that_weaken_delivery(key: str) -> None:
     """kafka-python extras may not override what delivery relies on: refused, naming the key."""
@@ -179,7 +190,16 @@ def test_kafka_sink_refuses_extras_that_weaken_delivery(key: str) -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["acks", "enable.idempotence", "transactional.id", "max.in.flight", "sasl.password"],
+    [
+        "acks",
+        "enable.idempotence",
+        "transactional.id",
+        "max.in.flight",
+        "sasl.password",
+        "sasl.kerberos.service.name",
+        "ssl.cipher.suites",
+        "default.topic.config",
+    ],
 )
 def test_librdkafka_extras_that_weaken_delivery_or_security_are_refused(key: str) -> None:
     """The confluent sink's extras are checked against librdkafka's names (and aliases)."""
