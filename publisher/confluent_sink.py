@@ -74,6 +74,11 @@ _LOOKUP_REFUSALS = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.
 _TIMEOUT_PROPERTIES = ("message.timeout.ms", "delivery.timeout.ms")
 
 
+#: librdkafka's (and the broker's usual) transaction timeout, kept unless the records'
+#: own timeout is longer.
+_DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000
+
+
 def message_timeout_ms(config: KafkaSinkConfig) -> int:
     """librdkafka's ``message.timeout.ms`` for ``config``: it gives up on every record in time.
 
@@ -181,6 +186,20 @@ class ConfluentSink:
         self._config = config
         #: Refuses, before any producer exists, a config that could write past a deadline.
         self._message_timeout_ms = message_timeout_ms(config)
+        #: Transactional delivery: librdkafka refuses a producer whose records may wait
+        #: longer than its transactions (message.timeout.ms <= transaction.timeout.ms).
+        self._transaction_timeout_ms = max(
+            _DEFAULT_TRANSACTION_TIMEOUT_MS, self._message_timeout_ms
+        )
+        if config.transactional_id_prefix is not None and "transaction.timeout.ms" in config.extra:
+            given = int(config.extra["transaction.timeout.ms"])
+            if given < self._message_timeout_ms:
+                raise ConfigError(
+                    f"librdkafka property transaction.timeout.ms={given} is shorter than the "
+                    f"records' timeout ({self._message_timeout_ms} ms, from "
+                    "--delivery-timeout-ms): librdkafka refuses such a transactional producer"
+                )
+            self._transaction_timeout_ms = given
         self._producer: Producer | None = None
         #: Topic -> (partition count, monotonic time it may be used until).
         self._counts: dict[str, tuple[int, float]] = {}
@@ -223,6 +242,7 @@ class ConfluentSink:
             transactional_id = self._sessions.next_id()
             if transactional_id is not None:
                 settings["transactional.id"] = transactional_id
+                settings["transaction.timeout.ms"] = self._transaction_timeout_ms
             producer = Producer(settings)
             if transactional_id is not None:
                 try:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka import errors as kafka_errors
 
+from publisher.config import ConfigError
 from publisher.kafka_security import KAFKA_PYTHON_FIXED, PLAINTEXT, KafkaSecurity, refuse_fixed
 from publisher.outcomes import FENCING_ERRORS, TopicMissing, TransactionEnd
 from publisher.socket_guard import SocketGuard, WriteDeadlinePassed
@@ -309,6 +310,13 @@ class KafkaSink:
 
     def __init__(self, config: KafkaSinkConfig) -> None:
         refuse_fixed(config.extra, KAFKA_PYTHON_FIXED, "kafka-python")
+        unknown = sorted(set(config.extra) - set(KafkaProducer.DEFAULT_CONFIG))
+        if unknown:
+            # Refused now: kafka-python would refuse each producer, at every batch.
+            raise ConfigError(
+                "invalid Kafka producer settings: kafka-python has no producer setting "
+                + ", ".join(repr(k) for k in unknown)
+            )
         self._config = config
         self._producer: Any = None
         #: Keeps the current producer from writing past its batch's write deadline.
@@ -324,7 +332,7 @@ class KafkaSink:
         if self._producer is None:
             c = self._config
             transactional_id = self._sessions.next_id()
-            self._producer = KafkaProducer(
+            settings: dict[str, Any] = dict(
                 bootstrap_servers=c.bootstrap_servers,
                 client_id=c.client_id,
                 # Both set explicitly: the guarantees below depend on them.
@@ -343,8 +351,11 @@ class KafkaSink:
                 transactional_id=transactional_id,
                 **(_TRANSACTIONAL_SETTINGS if transactional_id is not None else {}),
                 **c.security.kafka_python(),
-                **c.extra,
             )
+            # The extras may tune what is not fixed (linger_ms, retry_backoff_ms...):
+            # merged, not passed twice.
+            settings.update(c.extra)
+            self._producer = KafkaProducer(**settings)
             # kafka-python 3.0 does not pass allow_auto_create_topics on to the
             # metadata its producer requests, so a missing topic would be
             # created all the same; set it where the request is built.

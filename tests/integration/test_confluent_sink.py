@@ -21,8 +21,15 @@ pytest.importorskip("confluent_kafka", reason="the confluent extra is not instal
 from kafka import KafkaAdminClient
 from kafka import errors as kafka_errors
 
+from publisher.config import ConfigError
 from publisher.confluent_sink import ConfluentSink
-from publisher.outcomes import LibrdkafkaError, SendOutcome, TopicMissing, classify
+from publisher.outcomes import (
+    LibrdkafkaError,
+    SendOutcome,
+    TopicMissing,
+    TransactionEnd,
+    classify,
+)
 from publisher.sink import KafkaSinkConfig, OutgoingRecord, SendReport
 from tests.support import read_topic, small_topic
 
@@ -216,3 +223,31 @@ def test_a_discarded_producer_sends_nothing_more(
     marker = sink.complete(sink.send(_records(topic, 3)))
     assert all(r.error is None for r in marker)
     assert len(read_topic(kafka_bootstrap, topic)) == 3
+
+
+def test_a_transactional_sink_with_a_delivery_timeout_past_a_minute_opens_its_session(
+    kafka_bootstrap: str, topic: str, sinks: list[ConfluentSink]
+) -> None:
+    """librdkafka refuses a transactional producer whose records may wait longer than its
+    transactions: the sink's transaction timeout follows a longer delivery timeout, and a
+    shorter one given as an extra is refused when the sink is built."""
+    sink = _sink(
+        sinks,
+        kafka_bootstrap,
+        delivery_timeout_ms=90_000,
+        request_timeout_ms=30_000,
+        transactional_id_prefix=f"outbox-{uuid.uuid4()}",
+    )
+    sink.begin_transaction()
+    reports = sink.complete(sink.send(_records(topic, 2)))
+    assert sink.end_transaction(commit=True) is TransactionEnd.COMMITTED
+    assert all(r.error is None for r in reports)
+    with pytest.raises(ConfigError, match=r"transaction\.timeout\.ms=60000 is shorter"):
+        _sink(
+            sinks,
+            kafka_bootstrap,
+            delivery_timeout_ms=90_000,
+            request_timeout_ms=30_000,
+            transactional_id_prefix="outbox-x",
+            extra={"transaction.timeout.ms": 60_000},
+        )

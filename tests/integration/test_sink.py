@@ -9,7 +9,8 @@ import uuid
 import pytest
 from kafka.errors import KafkaError
 
-from publisher.outcomes import is_unreachable
+from publisher.config import ConfigError
+from publisher.outcomes import TransactionEnd, is_unreachable
 from publisher.sink import KafkaSink, KafkaSinkConfig, OutgoingRecord
 from tests.support import read_topic
 
@@ -79,3 +80,27 @@ def test_a_topic_lookup_with_no_broker_gives_up_within_max_block_and_request_tim
             assert is_unreachable(failed.value)
     finally:
         sink.close()
+
+
+def test_extras_tune_what_the_sink_sets_itself_and_a_misspelt_one_is_refused_at_once(
+    kafka_bootstrap: str, topic: str
+) -> None:
+    """An extra the sink also sets (linger_ms, and retry_backoff_ms in transactional delivery)
+    tunes it instead of breaking every producer; a setting kafka-python does not know is
+    refused when the sink is built, not at each batch."""
+    sink = KafkaSink(
+        KafkaSinkConfig(
+            kafka_bootstrap,
+            transactional_id_prefix=f"outbox-{uuid.uuid4()}",
+            extra={"linger_ms": 1, "retry_backoff_ms": 50},
+        )
+    )
+    try:
+        sink.begin_transaction()
+        reports = sink.complete(sink.send(_records(topic, 3)))
+        assert sink.end_transaction(commit=True) is TransactionEnd.COMMITTED
+    finally:
+        sink.close()
+    assert all(r.error is None for r in reports)
+    with pytest.raises(ConfigError, match="kafka-python has no producer setting 'lingerms'"):
+        KafkaSink(KafkaSinkConfig(kafka_bootstrap, extra={"lingerms": 1}))
