@@ -304,12 +304,21 @@ class Reconciler:
         unread: _Unread,
     ) -> list[Decision]:
         count = self.scanner.partition_count(topic)
-        if count is None:
-            return [
-                self._escalate(m, f"topic {topic!r} no longer exists", topic=topic)
-                for m in messages
-            ]
         decisions: list[Decision] = []
+        if count is None:
+            # Missing from the metadata: deleted, or not to be seen by the scanner
+            # (its ACLs), or not yet there on the broker asked. Like any evidence
+            # gone, this is an operator's only after the grace.
+            for m in messages:
+                if m.absence_due:
+                    reason = (
+                        f"topic {topic!r} no longer exists, or the scanner may not see it "
+                        "(check the topic, and the publisher's DESCRIBE and READ rights on it)"
+                    )
+                    decisions.append(self._escalate(m, reason, topic=topic))
+                else:
+                    report.deferred.append(m.id)
+            return decisions
         by_partition: dict[int, list[UncertainMessage]] = defaultdict(list)
         for m in messages:
             partition = m.partition
@@ -318,7 +327,9 @@ class Reconciler:
                 # count of that moment; a legacy row without it uses today's.
                 counts = m.partition_counts or {}
                 partition = partition_for(m.key, m.id, int(counts.get(topic, count)))
-            if partition >= count:
+            if partition >= count and not m.absence_due:
+                report.deferred.append(m.id)
+            elif partition >= count:
                 decisions.append(
                     self._escalate(
                         m, f"partition {partition} of {topic!r} no longer exists", topic=topic

@@ -632,3 +632,26 @@ def test_a_cycle_reads_every_page_once_and_ends(waiting: int) -> None:
 
     assert len(reports) == (waiting + 1) // 2 + (1 if waiting % 2 == 0 else 0)
     assert {i for r in reports for i in r.deferred} == {m.id for m in early}
+
+
+class NoTopicScanner(FakeScanner):
+    """The topic is not in the metadata (deleted, or hidden from the scanner by its ACLs)."""
+
+    def partition_count(self, topic: str) -> int | None:
+        """Unknown."""
+        return None
+
+
+def test_a_topic_missing_from_the_metadata_escalates_only_after_the_grace() -> None:
+    """A topic the scanner cannot see is evidence gone, an operator's to decide only after
+    the grace (a broker not up to date, or ACLs being fixed, may show it again); the reason
+    names both causes."""
+    early = _uncertain(absence_due=False)
+    late = _uncertain(key=b"other")
+    store = FakeStore([early, late])
+
+    report = Reconciler(store, NoTopicScanner(), "test").run_once()
+
+    assert (report.escalated, report.deferred) == ([late.id], [early.id])
+    [decision] = store.decisions
+    assert "no longer exists, or the scanner may not see it" in decision.reason
