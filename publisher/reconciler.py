@@ -59,6 +59,7 @@ from kafka.errors import KafkaError
 from outbox.states import State
 from publisher.fencing import Fencer
 from publisher.logs import MessageLog
+from publisher.outcomes import is_unreachable
 from publisher.partitioning import partition_for
 from publisher.scanner import EvidenceLost, LogScanner, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
@@ -357,7 +358,8 @@ class Reconciler:
     ) -> list[UncertainMessage]:
         """Fence the sessions the due messages were sent under; defer those it could not."""
         unfenced: set[str] = set()
-        for transactional_id in sorted({m.transactional_id for m in due if m.transactional_id}):
+        sessions = sorted({m.transactional_id for m in due if m.transactional_id})
+        for index, transactional_id in enumerate(sessions):
             if transactional_id in self._fenced:
                 continue
             if self.fencer is None:
@@ -369,9 +371,16 @@ class Reconciler:
             except Exception as exc:  # noqa: BLE001 - retried next pass; nothing is decided
                 log.warning("could not fence %s, its messages wait: %s", transactional_id, exc)
                 unfenced.add(transactional_id)
+                if is_unreachable(exc):
+                    # No broker answered: each other session would wait out the
+                    # same timeouts, holding the loop. They wait for a later pass.
+                    unfenced.update(s for s in sessions[index + 1 :] if s not in self._fenced)
+                    break
             else:
                 log.info("fenced producer session %s before deciding its batch", transactional_id)
                 self._fenced.add(transactional_id)
+            finally:
+                self.progress()  # a fence may take seconds: a long pass is not a stuck loop
         report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
         return [m for m in due if m.transactional_id not in unfenced]
 

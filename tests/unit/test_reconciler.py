@@ -655,3 +655,23 @@ def test_a_topic_missing_from_the_metadata_escalates_only_after_the_grace() -> N
     assert (report.escalated, report.deferred) == ([late.id], [early.id])
     [decision] = store.decisions
     assert "no longer exists, or the scanner may not see it" in decision.reason
+
+
+def test_when_no_broker_answers_a_fence_the_other_sessions_wait_for_a_later_pass() -> None:
+    """A fence that found no broker: the other sessions would wait out the same timeouts
+    one after another, holding the loop; they are not tried this pass, and every fence
+    tried turns the loop's progress clock."""
+    first = replace(_sent_in_transaction("outbox-a-1"), seq=1)
+    second = replace(_sent_in_transaction("outbox-b-1"), seq=2)
+    fencer = FakeFencer(failing={"outbox-a-1"})
+    reconciler = Reconciler(
+        FakeStore([first, second]), FakeScanner(records=[]), "test", fencer=fencer
+    )
+    turns: list[None] = []
+    reconciler.progress = lambda: turns.append(None)
+
+    report = reconciler.run_once()
+
+    assert report.deferred == [first.id, second.id]
+    assert fencer.fenced == []
+    assert len(turns) == 1
