@@ -259,12 +259,21 @@ def _name_sasl_refusals() -> None:
     A broker that refuses a SASL login (a wrong SCRAM password, an unknown
     user) closes the connection; over TLS kafka-python sees only "socket
     disconnected" and retries as for an outage. A connection lost in the
-    middle of the SASL exchange is reported as ``SaslAuthenticationFailedError``
-    here instead, and noted for ``check_login``. Applied once, on import.
+    middle of the SASL exchange is noted here for ``check_login``, which ends
+    the command at start with that reason. The error itself is left as it is:
+    kafka-python keeps an authentication error per broker and refuses to
+    connect to that broker again until a login succeeds, so a connection that
+    merely dropped mid-login (a broker restarting) would cut the broker off
+    for the life of the process. Applied once, on import.
     """
     original: Callable[..., Any] = KafkaConnection._sasl_authenticate
     if getattr(original, "_outbox_names_refusals", False):
         return
+    KafkaConnection._sasl_authenticate = _noting_refusals(original)
+
+
+def _noting_refusals(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (kafka-python's SASL exchange), noting each refusal it ends with."""
 
     @functools.wraps(original)
     async def sasl_authenticate(self: Any, timeout_at: float | None = None) -> Any:
@@ -275,16 +284,15 @@ def _name_sasl_refusals() -> None:
             said = str(exc.args[0] if exc.args else exc).removeprefix(f"{type(exc).__name__}: ")
             _note_refusal(f"the broker refused the {mechanism} login: {said}")
             raise
-        except kafka_errors.KafkaConnectionError as exc:
-            reason = (
+        except kafka_errors.KafkaConnectionError:
+            _note_refusal(
                 f"the broker closed the connection during the {mechanism} login "
                 "(wrong username or password, or a user without credentials for this mechanism)"
             )
-            _note_refusal(reason)
-            raise kafka_errors.SaslAuthenticationFailedError(reason) from exc
+            raise
 
     sasl_authenticate._outbox_names_refusals = True  # type: ignore[attr-defined]  # a marker
-    KafkaConnection._sasl_authenticate = sasl_authenticate
+    return sasl_authenticate
 
 
 _name_sasl_refusals()

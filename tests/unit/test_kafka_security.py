@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from kafka import errors as kafka_errors
 
 from publisher.cli import _parser, config_from_args
 from publisher.config import ConfigError, PublisherConfig, resolve
@@ -12,6 +16,8 @@ from publisher.kafka_security import (
     KAFKA_PYTHON_FIXED,
     LIBRDKAFKA_FIXED,
     KafkaSecurity,
+    _noting_refusals,
+    refusal_since,
     refuse_fixed,
 )
 from publisher.sink import KafkaSink, KafkaSinkConfig
@@ -233,3 +239,20 @@ def test_a_secret_typed_after_a_flag_that_does_not_exist_is_not_echoed(
     err = capsys.readouterr().err
     assert "unrecognized arguments: --kafka-sasl-password ... --pw" in err
     assert "s3cret" not in err
+
+
+def test_a_connection_dropped_mid_login_is_noted_but_stays_a_connection_error() -> None:
+    """A login cut off is noted for the start-up check, which names it; the error stays a
+    connection error, which kafka-python retries, not an authentication failure, which it
+    would keep against the broker until the process ends."""
+
+    async def dropped(self: object, timeout_at: float | None = None) -> None:
+        raise kafka_errors.KafkaConnectionError("socket disconnected")
+
+    start = time.monotonic()
+    login = _noting_refusals(dropped)
+    with pytest.raises(kafka_errors.KafkaConnectionError):
+        asyncio.run(login(SimpleNamespace(config={"sasl_mechanism": "SCRAM-SHA-512"})))
+    reason = refusal_since(start)
+    assert reason is not None
+    assert "closed the connection during the SCRAM-SHA-512 login" in reason
