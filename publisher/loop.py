@@ -29,9 +29,9 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import psycopg
@@ -459,8 +459,8 @@ class Publisher:
         alone = {m.id for m in sendable if m.send_alone}
         keys = {m.id: (m.topic, m.key) for m in sendable if m.key is not None}
         created = {m.id: m.created_at for m in sendable}
-        sent, unsent = self._send_in_order(records, alone, keys, created, window)
-        return _HandOver(batch, refused, held, records, sent, unsent, began=began)
+        sent, unsent, shared = self._send_in_order(records, alone, keys, created, window)
+        return _HandOver(batch, refused, held, records, sent, unsent, began=began, shared=shared)
 
     def _joining(self, parts: list[_HandOver]) -> Batch | None:
         """The next claimed batch, if it is to join the open transaction; else None.
@@ -501,7 +501,7 @@ class Publisher:
         """One settlement per message of the part's batch still held, by its outcome."""
         if part.settled is not None:
             return part.settled
-        suspects = _shared_refusals(part.sent)
+        suspects = part.shared
         to_send = {r.message_id for r in part.records}
         settlements = []
         for m in part.batch.messages:
@@ -716,16 +716,21 @@ class Publisher:
         keys: dict[uuid.UUID, tuple[str, bytes]],
         created: dict[uuid.UUID, datetime | None] | None = None,
         window: SendWindow | None = None,
-    ) -> tuple[dict[uuid.UUID, tuple[OutgoingRecord, SendReport]], dict[uuid.UUID, str]]:
+    ) -> tuple[
+        dict[uuid.UUID, tuple[OutgoingRecord, SendReport]], dict[uuid.UUID, str], set[uuid.UUID]
+    ]:
         """Send the records in order, those in ``alone`` one by one.
 
-        Returns the records handed over with their reports, and why each of
-        the others was not (a record of a key stopped earlier in the batch is
-        in neither: it is held back). Nothing is handed over after
-        the window's hand-over limit, nor written after its write deadline.
+        Returns the records handed over with their reports, why each of the
+        others was not (a record of a key stopped earlier in the batch is in
+        neither: it is held back), and the refusals shared within one send
+        (``_shared_refusals``: a refusal in a send of its own is its own).
+        Nothing is handed over after the window's hand-over limit, nor written
+        after its write deadline.
         """
         sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]] = {}
         unsent: dict[uuid.UUID, str] = {}
+        shared: set[uuid.UUID] = set()
         stopped_keys: set[tuple[str, bytes]] = set()
         for candidates in _groups(records, alone):
             # After a record of a key was not delivered, later records of that
@@ -749,6 +754,7 @@ class Publisher:
             reports = self.sink.complete(in_flight)
             self._progress()
             self._observe_acks(group, reports, created or {})
+            shared |= _shared_refusals(zip(group, reports, strict=True))
             for r, report in zip(group, reports, strict=True):
                 if isinstance(report.error, HandOverClosed):
                     unsent[r.message_id] = HAND_OVER_CLOSED
@@ -773,7 +779,7 @@ class Publisher:
                 # refused record kafka-python's idempotent producer fails every
                 # later send: either way the next send starts a fresh one.
                 self.sink.discard_producer()
-        return sent, unsent
+        return sent, unsent, shared
 
     def _observe_acks(
         self,
@@ -1062,8 +1068,8 @@ class Publisher:
         return self._clock() - self._progress_at < self.config.write_deadline_seconds + 10
 
 
-def _shared_refusals(sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]) -> set[uuid.UUID]:
-    """Messages refused with a content error that more than one record of the send got.
+def _shared_refusals(sent: Iterable[tuple[OutgoingRecord, SendReport]]) -> set[uuid.UUID]:
+    """Messages refused with a content error that more than one record of one send got.
 
     When the broker refuses one record (too large, say), kafka-python's
     idempotent producer fails every record it still has in flight for that
@@ -1072,7 +1078,7 @@ def _shared_refusals(sent: dict[uuid.UUID, tuple[OutgoingRecord, SendReport]]) -
     (librdkafka fails the whole message set the broker refused). So an error
     that several records got names no one record.
     """
-    refused = [message_id for message_id, (_, report) in sent.items() if _refused_by_broker(report)]
+    refused = [record.message_id for record, report in sent if _refused_by_broker(report)]
     return set(refused) if len(refused) > 1 else set()
 
 
@@ -1125,6 +1131,8 @@ class _HandOver:
     began: bool = False
     #: Its settlements, already known (the transaction could not begin).
     settled: list[Settlement] | None = None
+    #: Messages refused with an error other records of the same send got too.
+    shared: set[uuid.UUID] = field(default_factory=set)
 
     @property
     def clean(self) -> bool:

@@ -1142,6 +1142,22 @@ def test_a_content_refusal_several_records_got_pins_it_on_none_of_them() -> None
     assert all("not attributable" in (s.error or "") for s in settled)
 
 
+def test_two_records_sent_alone_and_refused_alike_are_each_refused_for_themselves() -> None:
+    """Two suspects, each sent alone (its own producer, its own send), both too large: each
+    refusal is its own, so each is quarantined, not taken for a refusal they shared."""
+    first = replace(_message(key=b"a", attempt=50), send_alone=True)
+    second = replace(_message(key=b"b", attempt=50), send_alone=True)
+    _, store, sink, publisher = _setup(first, second)
+    refusal = SendReport(None, None, kafka_errors.MessageSizeTooLargeError(), True)
+    sink.reports = {first.id: refusal, second.id: refusal}
+
+    publisher.run_once()
+
+    [settled] = store.settled
+    assert [s.state for s in settled] == [State.QUARANTINED, State.QUARANTINED]
+    assert not any("not attributable" in (s.error or "") for s in settled)
+
+
 def _settle_forward(message: ClaimedMessage, settlement: Settlement) -> ClaimedMessage:
     """The message as the next claim returns it, after ``settlement`` was recorded."""
     return replace(
