@@ -30,7 +30,7 @@ from kafka import errors as kafka_errors
 
 from publisher.config import WRITE_MARGIN_MS, ConfigError
 from publisher.kafka_security import LIBRDKAFKA_FIXED, refuse_fixed
-from publisher.outcomes import TopicMissing, TransactionEnd, from_librdkafka
+from publisher.outcomes import LibrdkafkaError, TopicMissing, TransactionEnd, from_librdkafka
 from publisher.sink import (
     InFlight,
     KafkaSinkConfig,
@@ -451,6 +451,11 @@ class ConfluentSink:
             if error.fatal():
                 self._fatal = error
             return _exception(error)
+        if isinstance(exc, BufferError):
+            # The local queue stayed full for max_block_ms (confluent-kafka raises
+            # a Python BufferError, not librdkafka's error): an outage, as
+            # kafka-python's timeout is, that says nothing of the record.
+            return LibrdkafkaError(f"local queue full for --max-block-ms: {exc}", "_QUEUE_FULL")
         return exc
 
     def complete(self, in_flight: InFlight) -> list[SendReport]:

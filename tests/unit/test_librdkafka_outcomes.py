@@ -125,3 +125,20 @@ def test_the_publisher_is_built_with_the_sink_the_config_names(sink: str, kind: 
     """build_publisher wires the chosen producer (nothing is contacted until it runs)."""
     publisher = build_publisher(_config(sink=sink))
     assert type(publisher.sink).__name__ == kind
+
+
+def test_a_local_queue_full_past_max_block_is_an_outage_not_the_records_fault() -> None:
+    """confluent-kafka raises a Python BufferError for a full local queue: it is taken as
+    librdkafka's _QUEUE_FULL, an outage that counts no failure, as kafka-python's timeout."""
+    from publisher.confluent_sink import ConfluentSink  # noqa: PLC0415 - the confluent extra
+    from publisher.outcomes import counts_as_failure, is_outage  # noqa: PLC0415
+    from publisher.sink import KafkaSinkConfig  # noqa: PLC0415
+
+    sink = ConfluentSink(KafkaSinkConfig("127.0.0.1:1"))
+    error = sink._refusal(BufferError("Local: Queue full"))
+
+    assert isinstance(error, LibrdkafkaError)
+    assert error.name == "_QUEUE_FULL"
+    assert is_outage(error)
+    outcome = classify(error, handed_to_producer=False)
+    assert not counts_as_failure(outcome, error)
