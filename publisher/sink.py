@@ -480,7 +480,9 @@ class KafkaSink:
                     # Refused for an earlier record's failure, as is every later one.
                     in_flight.entries.extend(transaction_failed() for _ in records[index:])
                     break
-                in_flight.entries.append(SendReport(None, None, exc, handed_to_producer=False))
+                in_flight.entries.append(
+                    SendReport(None, None, _send_refusal(exc), handed_to_producer=False)
+                )
                 refused_keys.add(key)
             else:
                 in_flight.entries.append(future)
@@ -569,6 +571,23 @@ class KafkaSink:
         self._transactional_id = None
         if producer is not None:
             producer.close(timeout=self._config.request_timeout_ms / 1000)
+
+
+def _send_refusal(exc: Exception) -> Exception:
+    """What ``producer.send`` raised, as ``classify`` should know it.
+
+    kafka-python raises a plain ``ValueError`` for a partition its metadata
+    does not list yet (a fresh producer, asking a broker not yet up to date
+    after partitions were added): that is the metadata's state, not the
+    record's fault, so it is retried as an unknown partition is, not
+    quarantined as a bad argument.
+    """
+    if isinstance(exc, ValueError) and str(exc).startswith("Unrecognized partition"):
+        unknown: Exception = kafka_errors.UnknownTopicOrPartitionError(
+            f"{exc} (in the producer's metadata)"
+        )
+        return unknown
+    return exc
 
 
 def _transaction_failed(producer: Any, exc: Exception) -> bool:

@@ -5,12 +5,19 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 
 from publisher.config import ConfigError
-from publisher.outcomes import TransactionEnd, is_unreachable
+from publisher.outcomes import (
+    SendOutcome,
+    TransactionEnd,
+    classify,
+    counts_as_failure,
+    is_unreachable,
+)
 from publisher.sink import KafkaSink, KafkaSinkConfig, OutgoingRecord
 from tests.support import read_topic
 
@@ -104,3 +111,20 @@ def test_extras_tune_what_the_sink_sets_itself_and_a_misspelt_one_is_refused_at_
     assert all(r.error is None for r in reports)
     with pytest.raises(ConfigError, match="kafka-python has no producer setting 'lingerms'"):
         KafkaSink(KafkaSinkConfig(kafka_bootstrap, extra={"lingerms": 1}))
+
+
+def test_a_partition_the_producers_metadata_does_not_list_is_retried_not_quarantined(
+    kafka_bootstrap: str, topic: str
+) -> None:
+    """kafka-python refuses a partition its metadata does not list (yet) with a ValueError:
+    reported as an unknown partition, an outage that counts no failure, not a bad record."""
+    [record] = _records(topic, 1)
+    sink = KafkaSink(KafkaSinkConfig(kafka_bootstrap))
+    try:
+        [report] = sink.complete(sink.send([replace(record, partition=99)]))
+    finally:
+        sink.close()
+    assert isinstance(report.error, UnknownTopicOrPartitionError)
+    assert not report.handed_to_producer
+    outcome = classify(report.error, handed_to_producer=False)
+    assert (outcome, counts_as_failure(outcome, report.error)) == (SendOutcome.NOT_WRITTEN, False)
