@@ -414,6 +414,12 @@ class KafkaSink:
                 end = TransactionEnd.UNKNOWN
         if end in (TransactionEnd.UNKNOWN, TransactionEnd.FENCED):
             self.discard_producer()
+        elif self._guard is not None:
+            # Ended, its records are out of the producer (an abort drops what it
+            # still held): the next send arms the guard with its own window. Left
+            # armed, the old deadline would trip on the next metadata request
+            # and close a healthy session.
+            self._guard.disarm()
         return end
 
     def partition_count(self, topic: str) -> int:

@@ -10,6 +10,7 @@ the loop settles them pending without counting a failure.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,11 +19,13 @@ from kafka.producer.transaction_manager import TransactionManager, TransactionSt
 from kafka.structs import TopicPartition
 
 from outbox.ids import new_message_id
+from publisher.outcomes import TransactionEnd
 from publisher.sink import (
     KafkaSink,
     KafkaSinkConfig,
     OutgoingRecord,
     SendReport,
+    SendWindow,
     TransactionFailed,
 )
 
@@ -148,3 +151,50 @@ def test_confluent_reports_the_sends_refused_after_the_transaction_failed() -> N
     assert in_flight.reports[0] is None  # handed over, its delivery report not served yet
     reports = in_flight.reports[1:]
     assert all(r is not None and isinstance(r.error, TransactionFailed) for r in reports)
+
+
+class _Ended:
+    """An abort the coordinator answered."""
+
+    def wait(self, timeout_ms: int) -> bool:
+        return True
+
+
+class _AbortableProducer:
+    """A session whose abort succeeds."""
+
+    def __init__(self) -> None:
+        self._sender = SimpleNamespace(wakeup=lambda: None)
+        self._transaction_manager = SimpleNamespace(
+            has_abortable_error=lambda: True, begin_abort=_Ended, begin_commit=_Ended
+        )
+
+
+def test_an_aborted_transaction_leaves_the_guard_unarmed_for_the_next_send() -> None:
+    """After a record failed (the guard stays armed) and the abort succeeded, the session is
+    kept; its guard must not keep the old batch's deadline, on which the next metadata
+    request after it would close the healthy session."""
+    sink = KafkaSink(KafkaSinkConfig("k:9092", transactional_id_prefix="outbox-test"))
+    producer = _AbortableProducer()
+    window = SendWindow.from_now(1.0, 2.0)
+    guard = _ArmedGuard()
+    guard.arm(window)
+    sink._producer, sink._guard = producer, guard  # type: ignore[assignment]
+
+    assert sink.end_transaction(commit=False) is TransactionEnd.ABORTED
+
+    assert sink._producer is producer
+    assert guard.window is None
+
+
+class _ArmedGuard:
+    """Records the window it is held to."""
+
+    tripped = False
+    window: object = None
+
+    def arm(self, window: object) -> None:
+        self.window = window
+
+    def disarm(self) -> None:
+        self.window = None
