@@ -310,12 +310,17 @@ class ConfluentSink:
             return cached[0]
         producer = self._get_producer()
         deadline = time.monotonic() + self._config.max_block_ms / 1000
+        answered_unknown = False
         while True:
             try:
                 metadata = producer.list_topics(
                     topic, timeout=max(deadline - time.monotonic(), 0.001)
                 )
             except KafkaException as exc:
+                if answered_unknown and time.monotonic() >= deadline:
+                    # The broker answered that it does not know the topic; the
+                    # last question ran out of time: still unknown.
+                    raise self._missing(topic) from None
                 raise _exception(exc.args[0]) from None
             described = metadata.topics.get(topic)
             error: KafkaError | None = described.error if described is not None else None
@@ -324,21 +329,24 @@ class ConfluentSink:
                 self._counts[topic] = (count, time.monotonic() + PARTITION_COUNT_MAX_AGE)
                 return count
             unknown = error is None or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
-            if unknown and not self._config.allow_auto_create_topics:
-                raise TopicMissing(
-                    f"topic {topic!r} does not exist and is not created automatically"
-                )
             if error is not None and error.code() in _LOOKUP_REFUSALS:
                 raise _exception(error)
-            # Being created (LEADER_NOT_AVAILABLE), or not yet known.
+            # Being created (LEADER_NOT_AVAILABLE), or not yet known: a topic just
+            # created may be missing from the metadata of the broker asked for a
+            # moment, so an unknown topic is asked for again until the deadline
+            # (as kafka-python's lookup waits) before it counts as missing.
+            answered_unknown = unknown
             if time.monotonic() >= deadline:
                 if unknown:
-                    raise TopicMissing(
-                        f"topic {topic!r} does not exist and the broker did not create it"
-                    )
+                    raise self._missing(topic)
                 assert error is not None
                 raise _exception(error)
             time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+
+    def _missing(self, topic: str) -> TopicMissing:
+        if not self._config.allow_auto_create_topics:
+            return TopicMissing(f"topic {topic!r} does not exist and is not created automatically")
+        return TopicMissing(f"topic {topic!r} does not exist and the broker did not create it")
 
     def send(
         self, records: Sequence[OutgoingRecord], *, window: SendWindow | None = None
