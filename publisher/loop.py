@@ -1033,6 +1033,11 @@ class Publisher:
                 log.warning("reconciliation postponed, Kafka unavailable: %s", exc)
             else:
                 self._count_reconciled(report)
+                if report.decided and self.reconciler.pages_left:
+                    # A backlog (after an outage): the next page at the next
+                    # turn, between batches, not a whole interval later. A page
+                    # whose messages all wait gives the interval back.
+                    self._next_reconcile = now
 
     def _count_reconciled(self, report: ReconcileReport) -> None:
         self.totals.reconciled += report.decided

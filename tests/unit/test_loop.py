@@ -26,7 +26,7 @@ from publisher.config import PublisherConfig
 from publisher.loop import HAND_OVER_CLOSED, OUTAGE, Publisher
 from publisher.outcomes import AttemptOutcome, TransactionEnd
 from publisher.partitioning import partition_for
-from publisher.reconciler import Reconciler
+from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.sink import (
     OutgoingRecord,
     ProducerUnavailable,
@@ -578,6 +578,39 @@ def test_a_reconcile_pass_turns_the_loop_as_it_goes() -> None:
     reconciler.progress()
     assert not publisher.health.loop_stuck()
     assert publisher._progressing()  # a batch claimed ahead keeps its lease through the pass
+
+
+class PagedReconciler(Reconciler):
+    """Passes as scripted: how many each decides, and whether a page follows."""
+
+    def __init__(self, store: PublisherStore, pages: list[tuple[int, bool]]) -> None:
+        super().__init__(store, None, "test")  # type: ignore[arg-type]
+        self.pages = pages
+        self.passes = 0
+        self._more = False
+
+    def run_once(self) -> ReconcileReport:
+        decided, self._more = self.pages[self.passes]
+        self.passes += 1
+        return ReconcileReport(delivered=[uuid.uuid4() for _ in range(decided)])
+
+    @property
+    def pages_left(self) -> bool:
+        return self._more
+
+
+def test_a_backlog_of_uncertain_messages_is_reconciled_page_after_page() -> None:
+    """After a pass that decided something with pages left, the next page comes at the next
+    turn, not an interval later; a pass that decided nothing waits the interval."""
+    events: list[str] = []
+    store = FakeStore(events, [])
+    reconciler = PagedReconciler(store, [(3, True), (0, True), (2, False)])
+    publisher = _publisher(store, FakeSink(events), clock=lambda: 1_000.0, reconciler=reconciler)
+
+    for _ in range(3):
+        publisher.maintain()
+
+    assert reconciler.passes == 2
 
 
 def test_the_heartbeat_stops_once_the_loop_is_stuck() -> None:
