@@ -147,6 +147,18 @@ class _Range:
 DEFAULT_ABSENCE_GRACE = 30.0
 
 
+@dataclass
+class _Seen:
+    """Due messages, by (id, fence), and their sessions, seen over a cycle of pages."""
+
+    messages: set[tuple[uuid.UUID, int]] = field(default_factory=set)
+    sessions: set[str] = field(default_factory=set)
+
+    def add(self, due: Sequence[UncertainMessage]) -> None:
+        self.messages.update((m.id, m.fence) for m in due)
+        self.sessions.update(m.transactional_id for m in due if m.transactional_id)
+
+
 class _Unread:
     """The topics and partitions of one pass that Kafka would not let be read.
 
@@ -215,6 +227,8 @@ class Reconciler:
         self._ranges: dict[tuple[uuid.UUID, int], _Range] = {}
         #: Where the next pass's page begins: after this ``seq`` (0: the start).
         self._after = 0
+        #: The due messages and sessions seen since the first page was last read.
+        self._seen = _Seen()
         #: Whether the last pass read the first page (the first pass, or one that
         #: started over after the last page).
         self.read_first_page = False
@@ -223,6 +237,10 @@ class Reconciler:
     def pages_left(self) -> bool:
         """Whether the last pass's page was full: the next pass goes on after it."""
         return self._after != 0
+
+    def _forget_all_but(self, seen: _Seen) -> None:
+        self._ranges = {k: r for k, r in self._ranges.items() if k in seen.messages}
+        self._fenced &= seen.sessions
 
     def run_cycle(self) -> Iterator[ReconcileReport]:
         """Passes, one per page, until every page was read once (``outbox-publisher
@@ -254,11 +272,16 @@ class Reconciler:
             due = self.store.uncertain_due(self.limit, self.absence_grace)
         self._after = due[-1].seq if len(due) >= self.limit else 0
         self.read_first_page = after == 0
+        if after == 0:
+            # A cycle over the pages begins: what the last one did not see is no
+            # longer due (decided elsewhere, escalated): its range and its
+            # session's fence are forgotten, so neither grows for ever.
+            self._forget_all_but(self._seen)
+            self._seen = _Seen()
+        self._seen.add(due)
         if after == 0 and len(due) < self.limit:
-            # Every due message is in this page: ranges of messages no longer
-            # uncertain (decided elsewhere) are forgotten.
-            current = {(m.id, m.fence) for m in due}
-            self._ranges = {k: r for k, r in self._ranges.items() if k in current}
+            # Every due message is in this page: the cycle is this page.
+            self._forget_all_but(self._seen)
         due = self._fence(due, report)
         if not due:
             return report

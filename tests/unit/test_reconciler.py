@@ -675,3 +675,26 @@ def test_when_no_broker_answers_a_fence_the_other_sessions_wait_for_a_later_pass
     assert report.deferred == [first.id, second.id]
     assert fencer.fenced == []
     assert len(turns) == 1
+
+
+def test_what_a_cycle_of_pages_no_longer_sees_is_forgotten() -> None:
+    """With pages always full, the ranges read so far were never pruned: a message decided
+    elsewhere kept its range for ever. A cycle of pages that no longer sees a message
+    forgets its range."""
+    waiting = [
+        replace(_uncertain(key=k, absence_due=False), seq=n)
+        for n, k in enumerate([b"a", b"b", b"c"], start=1)
+    ]
+    store = FakeStore(waiting)
+    reconciler = Reconciler(store, FakeScanner(records=[]), "test", limit=2)
+    gone = (waiting[0].id, waiting[0].fence)
+
+    for _ in range(2):  # the first cycle: both pages
+        reconciler.run_once()
+    assert gone in reconciler._ranges
+    store.due = waiting[1:]  # decided by another publisher, or an operator
+    for _ in range(2):  # the next cycle (one full page), then the start of the one after
+        reconciler.run_once()
+
+    assert gone not in reconciler._ranges
+    assert (waiting[1].id, waiting[1].fence) in reconciler._ranges
