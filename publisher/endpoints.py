@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 #: How long one turn waits for sockets to be ready: the longest ``stop()`` waits for an idle
 #: server.
 POLL_SECONDS = 0.2
-#: Threads that answer requests (each answer takes milliseconds: it contacts nothing).
+#: Threads that answer ``/metrics`` (the outbox status gauges may wait on the database;
+#: probes are answered by the accepting thread, from memory, and never wait for them).
 WORKERS = 4
 #: Connections that may wait for their request to arrive; one more closes the oldest.
 MAX_CONNECTIONS = 256
@@ -212,7 +213,10 @@ class EndpointServer(BackgroundService):
 
     def _dispatch(self, sock: socket.socket, address: tuple[Any, ...], request: bytes) -> None:
         sock.setblocking(True)
-        if not self._workers:
+        if not self._workers or not _is_metrics(request):
+            # A probe (or a 404) is answered here, at once: its answer is made
+            # from memory and small enough for the socket's buffer, so it never
+            # waits behind scrapes that read the database.
             self._answer(sock, address, request)
             return
         try:
@@ -242,6 +246,12 @@ class EndpointServer(BackgroundService):
             log.exception("HTTP endpoints: answering a request failed")
         finally:
             _close(sock)
+
+
+def _is_metrics(request: bytes) -> bool:
+    """Whether the request asks for ``/metrics`` (the only answer that may take long)."""
+    line = request.split(b"\n", 1)[0].split()
+    return len(line) >= 2 and line[1].split(b"?", 1)[0] == b"/metrics"
 
 
 def _close(sock: socket.socket) -> None:

@@ -196,9 +196,9 @@ class PublisherMetrics:
 class StatusCollector(Collector):
     """Messages by topic and state, and the oldest pending age, from the database.
 
-    The answer is cached for ``cache_seconds`` (a failure too, so a database
-    that does not answer is not asked by every scrape); concurrent scrapes
-    share one read.
+    The answer is cached for ``cache_seconds`` from the end of its read (a
+    failure too, so a database that does not answer is not asked by every
+    scrape); a scrape during a read is answered from the last one.
     """
 
     def __init__(
@@ -225,10 +225,16 @@ class StatusCollector(Collector):
         ]
 
     def rows(self) -> Sequence[StatusRow] | None:
-        """The status lines, fresh or cached; ``None`` if the database did not answer."""
-        with self._lock:
-            now = self._clock()
-            if self._read_at is None or now - self._read_at >= self._cache_seconds:
+        """The status lines, fresh or cached; ``None`` if the database did not answer.
+
+        A scrape that comes while another one reads is answered from the last
+        read at once instead of waiting (a read can take as long as a silent
+        database holds it); only the very first read is waited for.
+        """
+        if not self._lock.acquire(blocking=self._read_at is None):
+            return self._rows
+        try:
+            if self._read_at is None or self._clock() - self._read_at >= self._cache_seconds:
                 try:
                     self._rows = self._read()
                 except Exception as exc:  # noqa: BLE001 - a scrape must answer whatever failed
@@ -237,8 +243,12 @@ class StatusCollector(Collector):
                     self._rows, self._failing = None, True
                 else:
                     self._failing = False
-                self._read_at = now
+                # From the read's end: one that took longer than the cache lasts is
+                # still reused for a while, not redone by every scrape waiting.
+                self._read_at = self._clock()
             return self._rows
+        finally:
+            self._lock.release()
 
     def collect(self) -> Iterator[Metric]:
         """The status gauges; only ``outbox_database_up 0`` when the database did not answer."""

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from publisher.endpoints import MAX_REQUEST_BYTES, EndpointServer
 from publisher.health import Health, KafkaClusterCheck
-from publisher.metrics import PublisherMetrics
+from publisher.metrics import PublisherMetrics, StatusCollector
 from tests.support import wait_until
 
 
@@ -294,3 +295,69 @@ def test_other_methods_are_501_in_plain_text_that_does_not_echo_the_request(
     assert head.startswith(b"HTTP/1.0 501 ")
     assert b"Content-Type: text/plain; charset=utf-8" in head
     assert body == b"501 Server does not support this operation\n"
+
+
+def test_scrapes_held_by_a_silent_database_never_hold_a_probe() -> None:
+    """The status read of /metrics hangs (a database that does not answer): more scrapes
+    than workers come in, and /healthz and /readyz still answer at once."""
+    health = Health(stall_seconds=50, alive_seconds=110)
+    metrics = PublisherMetrics(health)
+    released = threading.Event()
+    reads: list[None] = []
+
+    def hanging_read() -> list[Any]:
+        reads.append(None)
+        released.wait(30)
+        return []
+
+    metrics.watch_status(hanging_read)
+    server = EndpointServer("127.0.0.1", 0, metrics.registry, health)
+    server.start()
+    host, port = server.address
+    base = f"http://{host}:{port}"
+    scrapes = [threading.Thread(target=_get, args=(base + "/metrics",)) for _ in range(8)]
+    try:
+        for scrape in scrapes:
+            scrape.start()
+        wait_until(lambda: reads, timeout=5, what="the first status read")
+        for path in ("/healthz", "/readyz"):
+            started = time.monotonic()
+            status, _, _ = _get(base + path)
+            assert status in (200, 503)
+            assert time.monotonic() - started < 1.0, path
+    finally:
+        released.set()
+        for scrape in scrapes:
+            scrape.join(timeout=10)
+        server.stop()
+    assert len(reads) == 1  # the scrapes that came during the read did not read again
+
+
+def test_a_scrape_during_a_read_is_answered_from_the_last_one() -> None:
+    """Once a read has been made, a scrape that comes while the next one runs does not wait
+    for it: it gets the last answer."""
+    lines: list[Any] = [object()]
+    read_started, release = threading.Event(), threading.Event()
+    calls: list[None] = []
+
+    def read() -> list[Any]:
+        calls.append(None)
+        if len(calls) > 1:
+            read_started.set()
+            release.wait(10)
+        return lines
+
+    now = [0.0]
+    collector = StatusCollector(read, cache_seconds=5, clock=lambda: now[0])
+    assert collector.rows() == lines
+    now[0] += 6
+    slow = threading.Thread(target=collector.rows)
+    slow.start()
+    try:
+        assert read_started.wait(5)
+        started = time.monotonic()
+        assert collector.rows() == lines
+        assert time.monotonic() - started < 0.5
+    finally:
+        release.set()
+        slow.join(5)
