@@ -218,7 +218,8 @@ class Reconciler:
         self.decided_by = decided_by
         self.limit = limit
         self.absence_grace = absence_grace
-        #: Called after each partition is decided: a long pass is not a stuck loop.
+        #: Called after each poll of a scan and each partition decided: a long pass is not a
+        #: stuck loop.
         self.progress: Callable[[], None] = lambda: None
         #: Partitions already reported to hold foreign ``outbox-id`` headers.
         self._foreign_seen: set[tuple[str, int]] = set()
@@ -540,6 +541,7 @@ class Reconciler:
                     scan_to,
                     [str(m.id) for m in unread],
                     keys={m.key for m in unread if m.key is not None},
+                    progress=self.progress,
                 )
             except ScanIncomplete as exc:
                 # What it read counts: the next pass goes on from there, so a

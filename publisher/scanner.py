@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -129,6 +129,7 @@ class LogScanner(Protocol):
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
     ) -> Scan:
         """Read ``[start, end)`` once, for records of ``ids`` and the records of ``keys``.
 
@@ -234,6 +235,7 @@ class KafkaLogScanner:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
     ) -> Scan:
         """Read ``[start, end)`` once, read_committed: the offsets of wanted ids, the ids
         of wanted keys."""
@@ -270,6 +272,7 @@ class KafkaLogScanner:
                     if record.offset >= end:
                         break
                     scan.add(record.offset, record.key, record.headers or (), wanted, wanted_keys)
+            progress()  # a long read is a loop that moves, not one that is stuck
         return scan
 
     def cleanup_policy(self, topic: str) -> set[str] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -838,6 +838,7 @@ class _BusyPartitionScanner(KafkaLogScanner):
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
     ) -> Scan:
         stop = min(end, start + self.per_pass)
         scan = super().find(topic, partition, start, stop, ids, keys=keys)

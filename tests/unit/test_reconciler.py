@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
 import pytest
@@ -106,6 +106,7 @@ class FakeScanner:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
     ) -> Scan:
         """The scripted scan (or the scripted records' of ``[start, end)``), or the
         evidence lost under it."""
@@ -467,6 +468,7 @@ class BusyPartition:
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
     ) -> Scan:
         """Read ``[start, end)``, or its first ``per_pass`` offsets and stop there."""
         self.scans.append((start, end))
@@ -590,6 +592,7 @@ class TwoTopicScanner(FakeScanner):
         ids: Collection[str],
         *,
         keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
     ) -> Scan:
         """Fails on the broken topic; the scripted scan elsewhere."""
         if topic == self.broken:
@@ -698,3 +701,35 @@ def test_what_a_cycle_of_pages_no_longer_sees_is_forgotten() -> None:
 
     assert gone not in reconciler._ranges
     assert (waiting[1].id, waiting[1].fence) in reconciler._ranges
+
+
+class PollingScanner(FakeScanner):
+    """A scan that polls three times, telling its progress after each poll."""
+
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
+    ) -> Scan:
+        """Three polls, then the scripted scan."""
+        for _ in range(3):
+            progress()
+        return super().find(topic, partition, start, end, ids, keys=keys)
+
+
+def test_a_long_scan_of_one_partition_turns_the_loops_progress_clock_as_it_reads() -> None:
+    """A scan of one partition may read for a minute: each poll tells the loop it moves, not
+    only the end of the partition (the loop would be taken for stuck and restarted)."""
+    reconciler = Reconciler(FakeStore([_uncertain()]), PollingScanner(records=[]), "test")
+    turns: list[None] = []
+    reconciler.progress = lambda: turns.append(None)
+
+    reconciler.run_once()
+
+    assert len(turns) == 3 + 1  # each poll, then the partition decided
