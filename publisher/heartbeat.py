@@ -113,11 +113,14 @@ class Heartbeat(BackgroundService):
 
     def run_once(self) -> None:
         """One turn: a beat if one is due (within half a turn), else a lane rebalance."""
+        # While the loop is stuck neither asks the database anything: no contact
+        # to report then, and the health shows the stall, not a live database.
+        working = self._still_working()
         if time.monotonic() >= self._next_beat - self.interval / 2:
             self.beat()
         else:
             self._balance_lanes()
-        if self._database is not None:
+        if working and self._database is not None:
             self._database.succeeded()
 
     def stop(self, timeout: float | None = None) -> None:

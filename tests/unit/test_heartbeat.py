@@ -100,6 +100,19 @@ def test_a_database_error_is_reported_and_the_next_turn_beats_again() -> None:
     assert database.ok is True  # the later beat succeeded
 
 
+def test_a_turn_while_the_loop_is_stuck_reports_no_database_contact() -> None:
+    """With the loop stuck the heartbeat asks the database nothing, so it does not report a
+    successful contact either: the health shows the stall, not a live database."""
+    store, lanes, database = RecordingStore(), RecordingLanes(), RecordingContact()
+    beat = _heartbeat(
+        store, interval=0, lanes=cast(Any, lanes), database=database, loop_alive=lambda: False
+    )
+    beat.run_once()
+    assert (store.beats, lanes.balances) == (0, 0)
+    assert database.ok is None
+    assert database.last_success_time is None
+
+
 class HangingLanes(RecordingLanes):
     """A lane keeper whose rebalance hangs (its statement waits) until told to go on."""
 
