@@ -54,6 +54,7 @@ class RecordingLanes:
     def __init__(self) -> None:
         self.balances = 0
         self.released = False
+        self.owned: set[int] = set()
 
     def balance(self) -> set[int]:
         self.balances += 1
@@ -118,7 +119,7 @@ class HangingLanes(RecordingLanes):
 
     def __init__(self) -> None:
         super().__init__()
-        self.owned: set[int] = {3}
+        self.owned = {3}
         self.entered = threading.Event()
         self.go_on = threading.Event()
 
