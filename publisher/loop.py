@@ -214,27 +214,9 @@ class Publisher:
         """Deliver until stopped (or idle, with ``exit_when_idle``); return the totals."""
         if self._kafka_probe is not None:
             self._kafka_probe.start()
-        self.store.register(self._version, self._pid)
-        self.health.database.succeeded()
-        self.health.registered = True
-        self.waker.start()
-        self.health.threads.append(self.waker)
-        if self.heartbeat is not None:
-            self.heartbeat.beat()  # take a share of the lanes before the first claim
-            self.heartbeat.start()
-            self.health.threads.append(self.heartbeat)
-        if self.retention is not None:
-            self.retention.start()
-            self.health.threads.append(self.retention)
-        self.health.loop_started()
-        log.info(
-            "publisher %s started (batch %d, lease %gs, poll %gs)",
-            self.publisher_id,
-            self.config.batch_size,
-            self.config.lease_seconds,
-            self.config.poll_interval,
-        )
         try:
+            if not self._start():
+                return self.totals
             while not self._stopping.is_set():
                 self.health.loop_turned()
                 try:
@@ -275,6 +257,43 @@ class Publisher:
             t.reconciled,
         )
         return t
+
+    def _start(self) -> bool:
+        """Register and start the background threads; False if stopped before the database
+        answered. A database that is away at start is waited for, as at any other time."""
+        while True:
+            try:
+                self.store.register(self._version, self._pid)
+                break
+            except psycopg.OperationalError as exc:
+                log.warning("database unavailable at start (%s); retrying", exc)
+                self.health.database.failed(exc)
+                self.store.close()
+                if self._stopping.wait(self.config.poll_interval):
+                    return False
+        self.health.database.succeeded()
+        self.health.registered = True
+        self.waker.start()
+        self.health.threads.append(self.waker)
+        if self.heartbeat is not None:
+            try:
+                self.heartbeat.beat()  # take a share of the lanes before the first claim
+            except psycopg.OperationalError as exc:
+                log.warning("first heartbeat failed (%s); the heartbeat retries", exc)
+            self.heartbeat.start()
+            self.health.threads.append(self.heartbeat)
+        if self.retention is not None:
+            self.retention.start()
+            self.health.threads.append(self.retention)
+        self.health.loop_started()
+        log.info(
+            "publisher %s started (batch %d, lease %gs, poll %gs)",
+            self.publisher_id,
+            self.config.batch_size,
+            self.config.lease_seconds,
+            self.config.poll_interval,
+        )
+        return True
 
     def _shut_down(self) -> None:
         self._release_claimed_ahead()

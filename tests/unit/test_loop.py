@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -480,6 +481,57 @@ def test_run_once_without_work_claims_and_does_nothing_else() -> None:
 
     assert _publisher(store, sink).run_once() == 0
     assert events == ["claim"]
+
+
+class AbsentAtStartStore(FakeStore):
+    """A database that does not answer the first ``refusals`` registrations."""
+
+    def __init__(self, events: list[str], refusals: int) -> None:
+        super().__init__(events, [])
+        self.refusals = refusals
+
+    def register(self, version: str, pid: int) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            self.events.append("register refused")
+            raise psycopg.OperationalError("connection refused")
+        super().register(version, pid)
+
+
+def test_a_database_away_at_start_is_waited_for_then_the_publisher_runs() -> None:
+    """The first registrations fail (the database restarts): the publisher waits and tries
+    again, as it does at any other time, instead of exiting with a traceback."""
+    events: list[str] = []
+    store = AbsentAtStartStore(events, refusals=2)
+    config = replace(CONFIG, exit_when_idle=True, poll_interval=0.01)
+    publisher = _publisher(store, FakeSink(events), config)
+
+    publisher.run()
+
+    assert [e for e in events if e.startswith("register")] == [
+        "register refused",
+        "register refused",
+        "register",
+    ]
+    assert "claim" in events
+    assert publisher.health.database.ok is True
+
+
+def test_a_stop_while_the_database_is_away_at_start_still_shuts_down_cleanly() -> None:
+    """Asked to stop before the database ever answered: the run ends, and the sink is closed
+    (its threads would otherwise outlive the publisher)."""
+    events: list[str] = []
+    store = AbsentAtStartStore(events, refusals=10**6)
+    publisher = _publisher(store, FakeSink(events), replace(CONFIG, poll_interval=0.01))
+    stopper = threading.Timer(0.2, publisher.request_stop)
+    stopper.start()
+
+    publisher.run()
+
+    stopper.join()
+    assert "register" not in events
+    assert events.count("sink.close") == 1
+    assert events[-1] == "store.close"
 
 
 def test_run_exits_when_idle_after_registering_and_records_the_stop() -> None:
