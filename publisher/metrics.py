@@ -127,8 +127,9 @@ class PublisherMetrics:
         self.lease_losses = Counter(
             "outbox_lease_losses",
             "Messages this publisher claimed but lost to recovery: when=before_send (recovered "
-            "before sending began, not sent) or when=at_settle (a stale fence: the outcome "
-            "changed nothing).",
+            "before sending began, not sent), when=at_settle (a stale fence: the outcome "
+            "changed nothing) or when=fenced (its Kafka transaction's session was fenced: "
+            "nothing of it is recorded).",
             ["when"],
             registry=r,
         )
@@ -168,7 +169,7 @@ class PublisherMetrics:
             self.uncertain_found.labels(source)
         for to_state in ("delivered", "pending", "escalated"):
             self.uncertain_resolved.labels(to_state)
-        for when in ("before_send", "at_settle"):
+        for when in ("before_send", "at_settle", "fenced"):
             self.lease_losses.labels(when)
         for state in (State.PENDING, State.UNCERTAIN):
             self.recovered.labels(state.value)

@@ -236,3 +236,11 @@ def test_reconciliation_decisions_are_counted_by_the_state_they_lead_to() -> Non
     assert _value(m, "outbox_uncertain_resolved_total", to_state="pending") == 1
     assert _value(m, "outbox_uncertain_resolved_total", to_state="escalated") == 1
     assert publisher.totals.reconciled == 4
+
+
+def test_every_documented_reason_of_a_lease_loss_is_a_series_from_the_start() -> None:
+    """Alerts and rate() see each `when` of outbox_lease_losses_total at 0 before the first
+    loss, fenced sessions included."""
+    m = PublisherMetrics()
+    for when in ("before_send", "at_settle", "fenced"):
+        assert _value(m, "outbox_lease_losses_total", when=when) == 0
