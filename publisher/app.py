@@ -44,11 +44,16 @@ def build_publisher(
     publisher_id: uuid.UUID | None = None,
     *,
     faults: Faults | None = None,
+    security: KafkaSecurity | None = None,
 ) -> Publisher:
-    """Wire a publisher to PostgreSQL and Kafka from its config (nothing is contacted yet)."""
+    """Wire a publisher to PostgreSQL and Kafka from its config (nothing is contacted yet).
+
+    ``security``: the Kafka security settings already read from ``config``
+    (``build_app`` reads them once for the clients and its login check).
+    """
     publisher_id = publisher_id or uuid.uuid4()
     # Every Kafka client below gets the same security settings (password files read once).
-    security = KafkaSecurity.from_config(config)
+    security = security or KafkaSecurity.from_config(config)
     store = PublisherStore(config.database_url, publisher_id)
     reconciler = None
     if config.reconcile_interval > 0:
@@ -118,8 +123,16 @@ def build_sink(
 class PublisherApp:
     """A publisher and the HTTP endpoints that expose it: what ``outbox-publisher`` runs."""
 
-    def __init__(self, publisher: Publisher, endpoints: EndpointServer | None) -> None:
+    def __init__(
+        self,
+        publisher: Publisher,
+        endpoints: EndpointServer | None,
+        security: KafkaSecurity | None = None,
+    ) -> None:
         self.publisher = publisher
+        #: The settings the publisher's Kafka clients were built with: the login check
+        #: checks those, not a password file read again later.
+        self.security = security or KafkaSecurity.from_config(publisher.config)
         #: ``/metrics``, ``/healthz`` and ``/readyz``; ``None`` with ``--http-port 0``.
         self.endpoints = endpoints
 
@@ -134,7 +147,7 @@ class PublisherApp:
         the publisher's credentials (``check_login``): that never heals.
         """
         config = self.publisher.config
-        security = KafkaSecurity.from_config(config)
+        security = self.security
         log.info(
             "publisher %s: database %s, Kafka %s (%s)",
             self.publisher.publisher_id,
@@ -163,10 +176,11 @@ def build_app(
     Raises ``OSError`` when that address cannot be listened on: the socket is
     bound here, so that the process fails at start rather than in a thread.
     """
-    publisher = build_publisher(config, publisher_id, faults=faults)
+    security = KafkaSecurity.from_config(config)
+    publisher = build_publisher(config, publisher_id, faults=faults, security=security)
     endpoints = None
     if config.http_port:
         endpoints = EndpointServer(
             config.http_host, config.http_port, publisher.metrics.registry, publisher.health
         )
-    return PublisherApp(publisher, endpoints)
+    return PublisherApp(publisher, endpoints, security)

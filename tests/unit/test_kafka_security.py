@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from kafka import errors as kafka_errors
 
+from publisher.app import build_app
 from publisher.cli import _parser, config_from_args
 from publisher.config import ConfigError, PublisherConfig, resolve
 from publisher.kafka_security import (
@@ -256,3 +257,19 @@ def test_a_connection_dropped_mid_login_is_noted_but_stays_a_connection_error() 
     reason = refusal_since(start)
     assert reason is not None
     assert "closed the connection during the SCRAM-SHA-512 login" in reason
+
+
+def test_the_login_check_checks_the_password_the_clients_were_built_with(tmp_path: Path) -> None:
+    """The password file is read once, when the publisher is built: a file rotated before
+    the login check does not make the check test a password the clients do not use."""
+    secret_file = tmp_path / "password"
+    secret_file.write_text(SECRET + "\n")
+    config = config_from_args(
+        ["--kafka-sasl-password-file", str(secret_file), "--http-port", "0"],
+        environ=_sasl_env(),
+    )
+    app = build_app(config)
+    secret_file.write_text("rotated\n")
+
+    assert app.publisher.sink._config.security is app.security  # type: ignore[attr-defined]
+    assert app.security.kafka_python()["sasl_plain_password"] == SECRET
