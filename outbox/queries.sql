@@ -136,11 +136,15 @@ SELECT id FROM outbox.batches WHERE id = %(batch_id)s FOR UPDATE
 -- send_began_at. In transactional delivery the batch records the
 -- transactional.id it is sent under (NULL otherwise), and the publisher row
 -- the session in use.
--- Only messages still pending are returned. A claim that waited for an
--- operator's decision on its lane (resolve_lock) read the messages with the
--- snapshot its statement began with, from before that decision committed:
--- it may name a message the decision has just discarded. This statement's
--- snapshot sees the decision, so such a message is not sent.
+-- Only messages still as the claim read them are returned: pending, at the
+-- fence the claim saw, and named by no other open batch. A claim reads the
+-- messages with the snapshot its statement began with, which can predate
+-- what committed while it ran: an operator's decision (the message is
+-- discarded), or, should its lane have left this publisher and come back
+-- within that one statement, another publisher's claim of the message (an
+-- open batch of its own names it) and even that claim's settle back to
+-- pending (the fence moved on). This statement's snapshot sees all of that,
+-- so such a message is not sent twice.
 WITH held AS (
     SELECT id, message_ids
     FROM outbox.batches
@@ -163,11 +167,20 @@ WITH held AS (
 ), session AS (
     UPDATE outbox.publishers SET transactional_id = %(transactional_id)s
     WHERE id = %(owner)s AND transactional_id IS DISTINCT FROM %(transactional_id)s
+), claimed AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[]) AS c(id, fence)
+), other_open AS MATERIALIZED (
+    SELECT unnest(message_ids) AS id
+    FROM outbox.batches
+    WHERE settled_at IS NULL AND id <> %(batch_id)s
 )
 SELECT m.id
 FROM outbox.messages AS m
+JOIN claimed AS c ON c.id = m.id
 -- Looked up by key, whatever the statistics say (see settle_batch).
 WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state COLLATE "C" = 'pending'
+  AND m.fence = c.fence
+  AND m.id NOT IN (SELECT id FROM other_open)
 
 -- name: settle_batch
 -- Close the batch and record the outcome of each of its messages in one

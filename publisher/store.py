@@ -313,6 +313,9 @@ class PublisherStore:
                     "transactional_id": transactional_id,
                     "partition_counts": Jsonb(dict(partition_counts)),
                     "topics": sorted(partition_counts),
+                    # The row's fence as the claim read it (the attempt's is one more).
+                    "ids": array_literal(m.id for m in batch.messages),
+                    "fences": array_literal(m.fence - 1 for m in batch.messages),
                 },
             ).fetchall()
         return {row[0] for row in rows}

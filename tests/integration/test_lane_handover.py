@@ -5,12 +5,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+import psycopg
 import pytest
 
+import outbox
+from outbox.states import State
 from publisher.heartbeat import Heartbeat
 from publisher.lanes import LaneKeeper
-from publisher.store import PublisherStore
-from tests.support import fetch_rows, wait_until
+from publisher.outcomes import AttemptOutcome
+from publisher.store import Batch, ClaimedMessage, PublisherStore, Settlement
+from tests.support import ClaimingStore, claiming_store, fetch_rows, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -101,3 +105,56 @@ def test_a_publisher_whose_loop_stopped_turning_lets_its_lanes_go_to_the_others(
         if other_beat is not None:
             other_beat.stop()
         stuck_beat.stop()
+
+
+def _stale_claim_of(database_url: str, store: ClaimingStore, batch: Batch) -> Batch:
+    """The batch a claim of ``store`` would have made had it read ``batch``'s messages with a
+    snapshot from before ``batch`` was claimed (its lane left and came back meanwhile)."""
+    [(batch_id, claimed_at)] = fetch_rows(
+        database_url,
+        "INSERT INTO outbox.batches (publisher_id, lease_expires_at, message_ids) "
+        "VALUES (%s, now() + interval '1 hour', %s) RETURNING id, claimed_at",
+        store.publisher_id,
+        [m.id for m in batch.messages],
+    )
+    return Batch(id=batch_id, messages=batch.messages, claimed_at=claimed_at)
+
+
+def test_a_claim_that_read_a_message_before_another_claimed_it_does_not_send_it(
+    database_url: str,
+) -> None:
+    """A claim's snapshot predates another publisher's claim of a message (the lane left and
+    came back within the claim's statement): its batch names the message too. Marking it
+    sending leaves the message out while the other batch is open, and after that batch
+    settled it back to pending (its fence moved on): it is sent once, by the other."""
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, "t", b"v", key="k")
+    other = claiming_store(database_url)
+    try:
+        theirs = other.claim(10, 30.0)
+        assert theirs is not None
+        assert [m.id for m in theirs.messages] == [message_id]
+        mine = claiming_store(database_url)
+        try:
+            stale = _stale_claim_of(database_url, mine, theirs)
+            assert mine.mark_sending(stale, {"t": 1}, 30.0) == set()
+
+            # The other batch settles the message back to pending (a retry).
+            other.settle(theirs, [_retry(theirs.messages[0])])
+            stale = _stale_claim_of(database_url, mine, theirs)
+            assert mine.mark_sending(stale, {"t": 1}, 30.0) == set()
+        finally:
+            mine.close()
+    finally:
+        other.close()
+
+
+def _retry(m: ClaimedMessage) -> Settlement:
+    return Settlement(
+        message_id=m.id,
+        fence=m.fence,
+        state=State.PENDING,
+        attempt_outcome=AttemptOutcome.FAILED,
+        error="retry",
+        retry_after=0.0,
+    )

@@ -136,6 +136,8 @@ def test_recovery_and_settles_look_messages_up_by_key(
                     "transactional_id": None,
                     "partition_counts": Jsonb({"t": 1}),
                     "topics": ["t"],
+                    "ids": [m.id for m in batch.messages],
+                    "fences": [m.fence - 1 for m in batch.messages],
                 },
             )
         )
