@@ -18,9 +18,9 @@ READ, SERIALIZABLE) would not.
 
 A decision names the fence it was made from (``outbox inspect`` and
 ``outbox list`` show it) and applies only while the message is still at that
-fence: every claim, recovery and operator decision raises it, so a decision
-made from a stale reading (another operator acted, or a publisher moved the
-message) is refused, naming what changed. ``resolve --pending`` and
+fence: every claim, recovery, reconciler and operator decision raises it, so
+a decision made from a stale reading (another operator acted, or a publisher
+or the reconciler moved the message) is refused, naming what changed. ``resolve --pending`` and
 ``--delivered`` require it; the other decisions take it when given.
 """
 

@@ -447,6 +447,8 @@ WHERE later.id = ANY(%(ids)s::uuid[])
 -- name: decide_uncertain
 -- Apply the reconciler's decisions, each with its evidence, in one statement.
 -- to_state 'uncertain' escalates: the evidence is gone and an operator decides.
+-- Each decision raises the fence, as an operator's does: an operator's
+-- decision made from a reading taken before it is refused.
 -- A message whose row another transaction holds (an operator's decision not
 -- committed yet, which may stay open as long as its caller's transaction) is
 -- skipped, not waited for: the pass goes on, and the message, if still
@@ -462,6 +464,7 @@ WITH d AS (
 ), decided AS (
     UPDATE outbox.messages AS m
     SET state = d.to_state,
+        fence = m.fence + 1,
         kafka_partition = coalesce(d.kafka_partition, m.kafka_partition),
         kafka_offset = d.kafka_offset,
         delivered_at = CASE WHEN d.to_state = 'delivered' THEN now() END,

@@ -23,7 +23,7 @@ from kafka.errors import KafkaError
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox.operator import Resolution, resolve
+from outbox.operator import DecisionRefused, Resolution, discard, resolve
 from outbox.states import State
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
@@ -921,3 +921,21 @@ def test_a_message_an_operator_is_deciding_is_left_for_a_later_pass(
         (held, "an operator", "pending"),
         (other, "test", "pending"),
     ]
+
+
+def test_an_operator_decision_read_before_the_reconcilers_is_refused(
+    database_url: str, kafka_bootstrap: str, topic: str, reconciler: Reconciler
+) -> None:
+    """An operator reads an uncertain message at fence N; the reconciler proves it absent
+    and makes it pending. A discard made from that reading names fence N: refused, as the
+    reconciler's decision raised the fence, and the message is sent."""
+    message_id = _enqueue(database_url, topic)
+    make_uncertain(database_url)
+    [(fence,)] = fetch_rows(
+        database_url, "SELECT fence FROM outbox.messages WHERE id = %s", message_id
+    )
+    assert reconciler.run_once().pending == [message_id]
+
+    with psycopg.connect(database_url) as operator, pytest.raises(DecisionRefused):
+        discard(operator, message_id, "obsolete, as read a moment ago", fence=fence)
+    assert _message(database_url, message_id)[0] == "pending"
