@@ -73,9 +73,12 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- nothing later, of its key or not, is claimed past it: its key stays in order.
 WITH mine AS MATERIALIZED (
     SELECT lane
+    -- Locked in lane order, as renew_lanes and release_lanes lock them: a claim
+    -- and the heartbeat never wait on each other in a cycle.
     FROM (SELECT lane
           FROM outbox.lanes
           WHERE owner = %(owner)s AND lease_expires_at > now()
+          ORDER BY lane
           FOR SHARE) AS owned
     WHERE pg_try_advisory_xact_lock_shared('outbox.lanes'::regclass::oid::integer, lane)
 ), open AS MATERIALIZED (
@@ -725,11 +728,17 @@ SELECT count(*) FROM renewed
 
 -- name: renew_lanes
 -- Renew the leases of the lanes this publisher owns; an expired one is lost
--- (another publisher may have taken it). Returns the lanes still owned.
-UPDATE outbox.lanes
+-- (another publisher may have taken it). Returns the lanes still owned. The
+-- rows are locked in lane order, as a claim locks them (an UPDATE alone would
+-- lock them in the order it finds them on disk, which updates change).
+UPDATE outbox.lanes AS l
 SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s::float8)
-WHERE owner = %(owner)s AND lease_expires_at > now()
-RETURNING lane
+WHERE l.lane IN (SELECT lane FROM outbox.lanes
+                 WHERE owner = %(owner)s AND lease_expires_at > now()
+                 ORDER BY lane
+                 FOR UPDATE)
+  AND l.owner = %(owner)s AND l.lease_expires_at > now()
+RETURNING l.lane
 
 -- name: fair_share
 -- How many lanes each live publisher should own (rounded up).
@@ -759,11 +768,17 @@ WHERE l.lane = free.lane
 RETURNING l.lane
 
 -- name: release_lanes
--- Give lanes up (all of this publisher's when lanes is NULL), for others to take.
-UPDATE outbox.lanes
-SET owner = NULL, lease_expires_at = NULL, fence = fence + 1
-WHERE owner = %(owner)s AND (%(lanes)s::smallint[] IS NULL OR lane = ANY(%(lanes)s::smallint[]))
-RETURNING lane
+-- Give lanes up (all of this publisher's when lanes is NULL), for others to
+-- take; locked in lane order, as renew_lanes does.
+UPDATE outbox.lanes AS l
+SET owner = NULL, lease_expires_at = NULL, fence = l.fence + 1
+WHERE l.lane IN (SELECT lane FROM outbox.lanes
+                 WHERE owner = %(owner)s
+                   AND (%(lanes)s::smallint[] IS NULL OR lane = ANY(%(lanes)s::smallint[]))
+                 ORDER BY lane
+                 FOR UPDATE)
+  AND l.owner = %(owner)s
+RETURNING l.lane
 
 -- name: stop_publisher
 UPDATE outbox.publishers SET stopped_at = now(), heartbeat_at = now() WHERE id = %(id)s
