@@ -238,11 +238,16 @@ class PublisherConfig:
             problem("batch_size", f"batch size must be at least 1, got {self.batch_size}")
         if self.poll_interval <= 0:
             problem("poll_interval", f"poll interval must be positive, got {self.poll_interval}")
-        if self.heartbeat_interval <= 0 or self.heartbeat_interval * 2 > self.lease_seconds:
+        if self.heartbeat_interval <= 0 or self.heartbeat_interval * 3 > self.lease_seconds:
+            # A lease is renewed once less than half of it is left: at half, that
+            # window is one heartbeat long, and a beat that comes late (the ticks
+            # drift) or skips the batch (locked by its mark at that instant) lets
+            # a healthy publisher's lease lapse. At a third, every window holds two.
             problem(
                 "heartbeat_interval lease_seconds",
                 f"heartbeat interval ({self.heartbeat_interval:g}s) must be positive and at most "
-                f"half the lease ({self.lease_seconds:g}s), or leases lapse between renewals",
+                f"a third of the lease ({self.lease_seconds:g}s), or leases lapse between "
+                "renewals",
             )
         if self.recovery_interval <= 0:
             problem(
@@ -619,7 +624,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("poll_interval", float, "longest wait between claims when no NOTIFY arrives",
             "batches and leases", metavar="SECONDS"),
     Setting("heartbeat_interval", float, "seconds between heartbeats and lease renewals; at most "
-            "half the lease", "batches and leases", metavar="SECONDS"),
+            "a third of the lease", "batches and leases", metavar="SECONDS"),
     Setting("exit_when_idle", bool, "exit 0 once nothing is in flight, awaiting reconciliation "
             "or pending (except behind a message only an operator can move); for scripts and "
             "tests", "batches and leases", flag_sets=True),

@@ -47,7 +47,8 @@ def test_valid_config_passes(overrides: dict[str, Any]) -> None:
     [
         ({"database_url": ""}, "database URL is missing"),
         ({"heartbeat_interval": 0}, "heartbeat interval (0s) must be positive"),
-        ({"heartbeat_interval": 31}, "at most half the lease (60s)"),
+        ({"heartbeat_interval": 31}, "at most a third of the lease (60s)"),
+        ({"heartbeat_interval": 20.5}, "at most a third of the lease (60s)"),
         ({"recovery_interval": 0}, "recovery interval must be positive"),
         ({"reconcile_interval": -1}, "reconcile interval must be 0 (off) or positive"),
         ({"database_url": "mysql://x"}, "database URL 'mysql://x' must start with postgresql://"),
@@ -66,7 +67,7 @@ def test_valid_config_passes(overrides: dict[str, Any]) -> None:
             "delivery timeout must be at least linger + request timeout",
         ),
         ({"lease_seconds": 40.0}, "lease (40s) must be longer than the longest a send can take"),
-        ({"lease_seconds": 10.0}, "lease (10s) must be longer"),
+        ({"lease_seconds": 10.0, "heartbeat_interval": 3.0}, "lease (10s) must be longer"),
         ({"transaction_records": 0}, "transaction records must be at least 1, got 0"),
         pytest.param(
             {"sink": "confluent", "delivery_timeout_ms": 1_500, "request_timeout_ms": 500},
@@ -107,7 +108,7 @@ def test_every_problem_is_listed_at_once() -> None:
     problems = _problems(caught.value)
     assert len(problems) == 7, problems
     for fragment in (
-        "heartbeat interval (5s) must be positive and at most half the lease (1s)",
+        "heartbeat interval (5s) must be positive and at most a third of the lease (1s)",
         "database URL is missing",
         "'host' is not host:port",
         "batch size",
@@ -283,7 +284,7 @@ def test_problems_from_every_source_are_listed_together(tmp_path: Path) -> None:
     assert any("unknown key 'lease_secs' (did you mean 'lease_seconds'?)" in p for p in problems)
     assert any("OUTBOX_LINGER_MS='soon'" in p for p in problems)
     assert any("lease (5s) must be longer than the longest a send can take" in p for p in problems)
-    assert any("at most half the lease (5s)" in p for p in problems)
+    assert any("at most a third of the lease (5s)" in p for p in problems)
 
 
 def test_a_missing_or_broken_config_file_is_a_problem(tmp_path: Path) -> None:
