@@ -550,10 +550,10 @@ class Reconciler:
                 scan, read_to = exc.scan, exc.position
             except EvidenceLost as exc:
                 # Retention deleted part of the range while it was read: what
-                # the scan found still counts; a record it did not find proves
-                # nothing, and the position does not move.
-                scan, lost = Scan(found=exc.scan.found), exc
-                read_to = scan_from
+                # was read up to the cut counts (a range that ends there was
+                # read whole and is decided as usual); past it, a record not
+                # found proves nothing.
+                scan, lost, read_to = exc.scan, exc, exc.position
             self._warn_foreign(topic, partition, scan)
             for m in unread:
                 ranges[m.id].take(scan, read_to, message_id=str(m.id), key=m.key)
@@ -592,7 +592,7 @@ class Reconciler:
                 )
                 continue
             where = f"{topic}[{partition}] offsets [{r.start}, {to})"
-            if lost is not None and m in unread:
+            if lost is not None and m in unread and r.position < to:
                 if m.absence_due and r.position < lost.log_start:
                     decisions.append(
                         self._escalate(

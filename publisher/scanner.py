@@ -93,14 +93,17 @@ class EvidenceLost(Exception):
     """Offsets of the range were deleted (retention) before the scan read them.
 
     The scan cannot say what they held: a record missing from the rest of the
-    range is not proven absent. ``scan`` holds what was read before, and
-    ``log_start`` where the partition's log starts now.
+    range is not proven absent. ``scan`` holds what was read before, from the
+    range's start up to ``position`` (the first offset not read: a range that
+    ends there was read whole), and ``log_start`` is where the partition's log
+    starts now.
     """
 
-    def __init__(self, message: str, scan: Scan, log_start: int) -> None:
+    def __init__(self, message: str, scan: Scan, log_start: int, position: int) -> None:
         super().__init__(message)
         self.scan = scan
         self.log_start = log_start
+        self.position = position
 
 
 class LogScanner(Protocol):
@@ -266,6 +269,7 @@ class KafkaLogScanner:
                     f"deleted before the scan of [{start}, {end}) read them ({exc})",
                     scan,
                     log_start,
+                    position,
                 ) from exc
             for records in polled.values():
                 for record in records:

@@ -120,7 +120,8 @@ class FakeScanner:
                 if start <= offset < end:
                     scan.add(offset, key, headers, wanted, set(keys))
         if self.lost_from is not None:
-            raise EvidenceLost("offsets were deleted", scan, self.lost_from)
+            # Cut at the range's start: nothing of it was read.
+            raise EvidenceLost("offsets were deleted", scan, self.lost_from, start)
         return scan
 
     def cleanup_policy(self, topic: str) -> set[str] | None:
@@ -733,3 +734,53 @@ def test_a_long_scan_of_one_partition_turns_the_loops_progress_clock_as_it_reads
     reconciler.run_once()
 
     assert len(turns) == 3 + 1  # each poll, then the partition decided
+
+
+class CutMidScanScanner(FakeScanner):
+    """Pass 1: the log ends at 5 and the scan stops at 2 (out of time). Pass 2: the log
+    ends at 10, and retention deletes up to 8 when the scan has read up to 7."""
+
+    def __init__(self) -> None:
+        super().__init__(records=[], policy={"delete"})
+        self.passes = 0
+
+    def offset_range(
+        self, topic: str, partition: int, *, committed: bool = False
+    ) -> tuple[int, int]:
+        """The log as it was when the pass began."""
+        return (0, 5) if self.passes < 2 else (0, 10)
+
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
+    ) -> Scan:
+        """Out of time at 2, then cut at 7."""
+        if self.passes == 1:
+            raise ScanIncomplete("out of time", Scan(), 2)
+        raise EvidenceLost("offsets 7 to 8 were deleted", Scan(), 8, 7)
+
+
+def test_a_range_read_whole_before_retention_cut_the_scan_is_decided() -> None:
+    """A scan shared by two messages is cut by retention at 7: the message whose range ended
+    at 5 was read whole, and is decided (absent: pending), not escalated; the one whose
+    range runs to 10 lost its evidence and is escalated."""
+    early = replace(_uncertain(key=b"a"), seq=1)
+    late = replace(_uncertain(key=b"b", absence_due=False), seq=2)
+    store = FakeStore([early, late])
+    scanner = CutMidScanScanner()
+    reconciler = Reconciler(store, scanner, "test")
+
+    scanner.passes = 1
+    assert reconciler.run_once().deferred == [early.id, late.id]  # its bound is 5 now
+    store.due = [early, replace(late, absence_due=True)]
+    scanner.passes = 2
+    report = reconciler.run_once()
+
+    assert (report.pending, report.escalated) == ([early.id], [late.id])
