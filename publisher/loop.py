@@ -570,6 +570,15 @@ class Publisher:
             log.warning(
                 "batch %s: transaction %s", ids, end.value, extra={"batch_id": batches[0].id}
             )
+        else:
+            # Committed: its records are delivered now.
+            committed_at = time.time()
+            for part in parts:
+                for m in part.batch.messages:
+                    if m.id in part.sent and m.created_at is not None:
+                        self.metrics.commit_to_ack_seconds.observe(
+                            max(committed_at - m.created_at.timestamp(), 0.0)
+                        )
         return end
 
     def _abandon_transaction(self, batches: list[Batch]) -> None:
@@ -816,7 +825,10 @@ class Publisher:
             if report.error is None:
                 answered = True
                 committed = created.get(r.message_id)
-                if committed is not None:
+                # In a transaction a record is delivered only once it commits
+                # (observed then, by _end_transaction): one aborted and sent
+                # again is not counted twice.
+                if committed is not None and not self._transactional:
                     self.metrics.commit_to_ack_seconds.observe(
                         max(acked_at - committed.timestamp(), 0.0)
                     )

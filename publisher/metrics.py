@@ -148,7 +148,8 @@ class PublisherMetrics:
         )
         self.batch_seconds = Histogram(
             "outbox_batch_duration_seconds",
-            "Seconds from the start of a claim to its settle (a batch that claimed something).",
+            "Seconds of one loop turn that claimed something, from the claim to its settle "
+            "(with every batch that joined its Kafka transaction).",
             buckets=BATCH_BUCKETS,
             registry=r,
         )
@@ -156,7 +157,8 @@ class PublisherMetrics:
             "outbox_commit_to_ack_seconds",
             "Seconds from a message's created_at (the timestamp of the transaction that "
             "enqueued it, by the database's clock) to the broker's acknowledgement (by this "
-            "host's clock, when the producer's flush returned).",
+            "host's clock, when the producer's flush returned; in a Kafka transaction, when "
+            "it committed).",
             buckets=COMMIT_TO_ACK_BUCKETS,
             registry=r,
         )

@@ -942,6 +942,26 @@ def test_a_record_that_failed_aborts_its_transaction_and_sends_the_rest_again() 
     assert "its transaction was aborted" in (by_id[confirmed.id].error or "")
 
 
+def test_commit_to_ack_counts_a_transactional_record_once_its_transaction_committed() -> None:
+    """A record confirmed in a transaction that is then aborted is not delivered: it is not
+    observed; in a committed transaction each record is observed once."""
+    made = datetime.now(UTC)
+    failed, confirmed = (replace(_message(key=k), created_at=made) for k in (b"a", b"b"))
+    _, _, sink, publisher = _transactional(failed, confirmed)
+    sink.reports = {
+        failed.id: SendReport(None, None, kafka_errors.KafkaTimeoutError("Expiring"), True)
+    }
+    publisher.run_once()
+    count = publisher.metrics.registry.get_sample_value("outbox_commit_to_ack_seconds_count")
+    assert count == 0
+
+    again = replace(_message(key=b"c"), created_at=made)
+    _, _, _, committing = _transactional(again)
+    committing.run_once()
+    count = committing.metrics.registry.get_sample_value("outbox_commit_to_ack_seconds_count")
+    assert count == 1
+
+
 def test_records_refused_after_their_transaction_failed_are_not_charged_a_failure() -> None:
     """The broker refused one record; the producer then refused the others: only it is judged."""
     refused, bystander = _message(key=b"a"), _message(key=b"b")
