@@ -443,8 +443,14 @@ class Publisher:
                 # Opens the session (init_transactions) whose id the mark records.
                 self.sink.begin_transaction()
             except Exception as exc:  # noqa: BLE001 - nothing was sent: each settles pending
+                # Before any record: it says nothing of the messages (no broker, or
+                # no right to the transactional.id), so none is charged a failure,
+                # and the loop backs off as in an outage (/readyz says Kafka).
                 self.health.kafka.failed(exc)
-                report = SendReport(None, None, exc, handed_to_producer=False)
+                log.warning("batch %s: the Kafka transaction could not begin: %s", batch.id, exc)
+                reason = f"not sent: the Kafka transaction could not begin: {exc}"
+                for m in batch.messages:
+                    self._failure_class[m.id] = OUTAGE
                 return _HandOver(
                     batch,
                     refused,
@@ -453,7 +459,7 @@ class Publisher:
                     {},
                     {},
                     began=False,
-                    settled=[self._settlement(m, report, None) for m in batch.messages],
+                    settled=[_unsent(m, reason) for m in batch.messages],
                 )
             began = self._transaction_open = True
         if sendable:

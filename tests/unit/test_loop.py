@@ -962,6 +962,27 @@ def test_commit_to_ack_counts_a_transactional_record_once_its_transaction_commit
     assert count == 1
 
 
+def test_a_transaction_that_cannot_begin_charges_no_message_a_failure() -> None:
+    """The session cannot begin (here, no right to its transactional.id): nothing was sent,
+    so no message is charged, not even one at its last attempt; the loop backs off as in an
+    outage, and readiness says Kafka."""
+    last = _message(key=b"a", attempt=CONFIG.max_attempts)
+    _, store, sink, publisher = _transactional(last)
+
+    def refuse() -> None:
+        raise kafka_errors.TransactionalIdAuthorizationFailedError("no WRITE on the id")
+
+    sink.begin_transaction = refuse  # type: ignore[method-assign]
+
+    publisher.run_once()
+
+    [[settled]] = store.settled
+    assert (settled.state, settled.counts_as_failure) == (State.PENDING, False)
+    assert "the Kafka transaction could not begin" in (settled.error or "")
+    assert publisher._outages == 1
+    assert publisher.health.kafka.ok is False
+
+
 def test_records_refused_after_their_transaction_failed_are_not_charged_a_failure() -> None:
     """The broker refused one record; the producer then refused the others: only it is judged."""
     refused, bystander = _message(key=b"a"), _message(key=b"b")
