@@ -16,7 +16,7 @@ from typing import Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka import errors as kafka_errors
-from kafka.admin import ConfigResource, ConfigResourceType
+from kafka.admin import ConfigResource, ConfigResourceType, OffsetSpec
 
 from outbox.intent import ID_HEADER
 from publisher.kafka_security import PLAINTEXT, KafkaSecurity
@@ -164,6 +164,11 @@ class LogScanner(Protocol):
         ...
 
 
+#: How long one offset lookup may go on retrying retriable answers (a leader
+#: moving or being elected takes well under a second; Kafka away takes longer).
+OFFSET_LOOKUP_SECONDS = 15.0
+
+
 class KafkaLogScanner:
     """Scans with a kafka-python consumer that belongs to no group and commits nothing."""
 
@@ -212,6 +217,18 @@ class KafkaLogScanner:
             )
         return self._open[committed]
 
+    def _admin_client(self) -> KafkaAdminClient:
+        """The admin client, connected on first use (as the consumers are)."""
+        if self._admin is None:
+            self._admin = KafkaAdminClient(
+                bootstrap_servers=self._bootstrap_servers,
+                client_id="outbox-reconciler-admin",
+                request_timeout_ms=15_000,
+                bootstrap_timeout_ms=15_000,
+                **self._security.kafka_python(),
+            )
+        return self._admin
+
     def partition_count(self, topic: str) -> int | None:
         """Ask the broker (fresh metadata) how many partitions the topic has."""
         if topic not in self._consumer.topics():  # topics() refreshes the metadata
@@ -222,12 +239,34 @@ class KafkaLogScanner:
     def offset_range(
         self, topic: str, partition: int, *, committed: bool = False
     ) -> tuple[int, int]:
-        """Log start and end offsets (the last stable one, with ``committed``), as of now."""
-        consumer = self._consumer_for(committed=committed)
+        """Log start and end offsets (the last stable one, with ``committed``), as of now.
+
+        Asked through the admin client, which looks the partition's leader up
+        afresh for every request. A consumer answers from metadata cached for up
+        to five minutes, and kafka-python's consumer retries a leader that
+        answers "not the leader" without refreshing it (the bug Kafka's own
+        client fixed as KAFKA-9535): after a leader moved between two live
+        brokers, every lookup failed until the cache expired.
+
+        A retriable answer (a new leader that cannot tell its offsets yet, a
+        leader being elected) is asked again, pausing between tries, for up to
+        :data:`OFFSET_LOOKUP_SECONDS`; then it is raised and the pass retries.
+        """
         tp = TopicPartition(topic, partition)
-        start = consumer.beginning_offsets([tp])[tp]
-        end = consumer.end_offsets([tp])[tp]
-        return int(start), int(end)
+        level = "read_committed" if committed else "read_uncommitted"
+        deadline = time.monotonic() + OFFSET_LOOKUP_SECONDS
+        pause = 0.05
+        while True:
+            try:
+                ask = self._admin_client().list_partition_offsets
+                start = ask({tp: OffsetSpec.EARLIEST}, isolation_level=level)[tp]
+                end = ask({tp: OffsetSpec.LATEST}, isolation_level=level)[tp]
+                return int(start.offset), int(end.offset)
+            except kafka_errors.KafkaError as exc:
+                if not exc.retriable or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def find(
         self,
@@ -281,16 +320,8 @@ class KafkaLogScanner:
 
     def cleanup_policy(self, topic: str) -> set[str] | None:
         """Read the topic's ``cleanup.policy`` from the broker (it can change at any time)."""
-        if self._admin is None:
-            self._admin = KafkaAdminClient(
-                bootstrap_servers=self._bootstrap_servers,
-                client_id="outbox-reconciler-admin",
-                request_timeout_ms=15_000,
-                bootstrap_timeout_ms=15_000,
-                **self._security.kafka_python(),
-            )
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})
-        described = self._admin.describe_configs([resource], config_filter="all")
+        described = self._admin_client().describe_configs([resource], config_filter="all")
         entry = described.get("topic", {}).get(topic, {}).get("cleanup.policy")
         if entry is None or entry.get("value") is None:
             # Not described: the topic is gone, or this client may not read

@@ -1,0 +1,101 @@
+"""KafkaLogScanner.offset_range: which answers it asks again, and for how long.
+
+The admin client is replaced by a scripted one: whether kafka-python's admin
+client finds a moved leader is shown against a real cluster (the soak's
+broker kills, docs/development.md); these tests pin the scanner's own policy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from kafka import TopicPartition
+from kafka import errors as kafka_errors
+from kafka.admin import OffsetSpec
+from kafka.structs import OffsetAndTimestamp
+
+import publisher.scanner as scanner_module
+from publisher.scanner import KafkaLogScanner
+
+
+class ScriptedAdmin:
+    """Answers list_partition_offsets from a script: an exception to raise, or an offset."""
+
+    def __init__(self, script: list[BaseException | int]) -> None:
+        self.script = script
+        self.asked: list[tuple[OffsetSpec, str]] = []
+
+    def __call__(self, **_config: Any) -> ScriptedAdmin:  # stands in for the class
+        return self
+
+    def list_partition_offsets(
+        self, specs: dict[TopicPartition, OffsetSpec], *, isolation_level: str
+    ) -> dict[TopicPartition, OffsetAndTimestamp]:
+        ((tp, spec),) = specs.items()
+        self.asked.append((spec, isolation_level))
+        step = self.script.pop(0) if self.script else 0
+        if isinstance(step, BaseException):
+            raise step
+        return {tp: OffsetAndTimestamp(step, -1, None)}
+
+    def close(self) -> None:
+        pass
+
+
+def scanner_with(admin: ScriptedAdmin, monkeypatch: pytest.MonkeyPatch) -> KafkaLogScanner:
+    monkeypatch.setattr(scanner_module, "KafkaAdminClient", admin)
+    return KafkaLogScanner("127.0.0.1:9")
+
+
+def test_a_leader_that_cannot_tell_its_offsets_yet_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A partition's new leader answers OFFSET_NOT_AVAILABLE until its high
+    # watermark has caught up (a few hundred ms); NOT_LEADER while the
+    # election is under way.
+    admin = ScriptedAdmin(
+        [
+            kafka_errors.OffsetNotAvailableError(),
+            kafka_errors.NotLeaderForPartitionError(),
+            4,
+            kafka_errors.OffsetNotAvailableError(),
+            4,
+            17,
+        ]
+    )
+    scanner = scanner_with(admin, monkeypatch)
+
+    assert scanner.offset_range("t", 0, committed=True) == (4, 17)
+    assert all(level == "read_committed" for _, level in admin.asked)
+    assert [spec for spec, _ in admin.asked][-2:] == [OffsetSpec.EARLIEST, OffsetSpec.LATEST]
+
+
+def test_an_answer_that_will_not_change_is_raised_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin = ScriptedAdmin([kafka_errors.TopicAuthorizationFailedError(), 0, 9])
+    scanner = scanner_with(admin, monkeypatch)
+
+    began = time.monotonic()
+    with pytest.raises(kafka_errors.TopicAuthorizationFailedError):
+        scanner.offset_range("t", 0)
+    assert time.monotonic() - began < 1.0
+    assert len(admin.asked) == 1
+
+
+def test_a_retriable_answer_is_raised_once_the_lookup_time_is_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(scanner_module, "OFFSET_LOOKUP_SECONDS", 0.5)
+    admin = ScriptedAdmin([kafka_errors.LeaderNotAvailableError() for _ in range(1000)])
+    scanner = scanner_with(admin, monkeypatch)
+
+    began = time.monotonic()
+    with pytest.raises(kafka_errors.LeaderNotAvailableError):
+        scanner.offset_range("t", 0)
+    took = time.monotonic() - began
+    assert 0.3 <= took < 1.5, took
+    # It paused between tries: a handful of questions, not a busy loop.
+    assert 2 <= len(admin.asked) <= 10, len(admin.asked)
