@@ -110,7 +110,12 @@ def wait_until(
 
 
 def create_topic(
-    bootstrap: str, name: str, partitions: int = 3, configs: dict[str, str] | None = None
+    bootstrap: str,
+    name: str,
+    partitions: int = 3,
+    configs: dict[str, str] | None = None,
+    *,
+    replication_factor: int = 1,
 ) -> None:
     """Create a topic (with topic ``configs``) and wait until its partitions have leaders."""
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
@@ -120,7 +125,7 @@ def create_topic(
                 NewTopic(
                     name,
                     num_partitions=partitions,
-                    replication_factor=1,
+                    replication_factor=replication_factor,
                     topic_configs=configs or {},
                 )
             ]

@@ -1,0 +1,156 @@
+"""A partition leader that moves between live brokers, on a real three-broker cluster.
+
+Production clusters move leaders all the time: a broker restarts, then the
+controller hands its partitions back (preferred leader election). A client
+that keeps the old leader in its metadata is answered NOT_LEADER by a broker
+that is alive and well.
+
+The cluster is ``OUTBOX_KAFKA_CLUSTER_BOOTSTRAP`` when set (three brokers or
+more). Otherwise, when the single broker is this checkout's ``services/up``,
+the module starts a cluster of its own with a copy of the ``services/``
+scripts in a temporary directory (its ports ``OUTBOX_KAFKA_PORT`` + 200 to
++ 208, its data apart from the checkout's), and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+
+from outbox.intent import ID_HEADER
+from publisher.scanner import KafkaLogScanner
+from tests.conftest import Services
+from tests.support import SERVICES, create_topic, local_services_running, wait_until
+
+#: How far above the single broker's port the module's own cluster listens.
+CLUSTER_PORT_OFFSET = 200
+
+
+def _own_cluster(tmp: Path, single_bootstrap: str) -> tuple[str, dict[str, str]]:
+    """Start three brokers from a copy of services/ under ``tmp``; their bootstrap and
+    the environment that stops them."""
+    shutil.copytree(SERVICES, tmp / "services", symlinks=True)
+    jars = SERVICES.parent / ".services" / "kafka" / "lib"
+    if jars.is_dir():  # the checkout's broker jars: no Maven run
+        (tmp / ".services" / "kafka").mkdir(parents=True)
+        (tmp / ".services" / "kafka" / "lib").symlink_to(jars)
+    port = int(single_bootstrap.split(",", maxsplit=1)[0].rsplit(":", 1)[1]) + CLUSTER_PORT_OFFSET
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"OUTBOX_DATABASE_URL", "OUTBOX_KAFKA_BOOTSTRAP"}
+    }
+    env |= {
+        "OUTBOX_KAFKA_BROKERS": "3",
+        "OUTBOX_KAFKA_PORT": str(port),
+        "OUTBOX_KAFKA_CONTROLLER_PORT": str(port + 1),
+        "OUTBOX_KAFKA_SASL_PORT": "0",
+    }
+    up = subprocess.run(
+        [str(tmp / "services" / "up"), "kafka"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if up.returncode != 0:
+        raise RuntimeError(f"services/up of the test cluster failed:\n{up.stdout}\n{up.stderr}")
+    return ",".join(f"127.0.0.1:{port + 3 * n}" for n in range(3)), env
+
+
+@pytest.fixture(scope="module")
+def cluster(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The bootstrap of a Kafka cluster of three brokers or more."""
+    given = os.environ.get("OUTBOX_KAFKA_CLUSTER_BOOTSTRAP")
+    if given:
+        yield given
+        return
+    if not local_services_running():
+        pytest.skip("needs OUTBOX_KAFKA_CLUSTER_BOOTSTRAP, or the services services/up runs")
+    tmp = tmp_path_factory.mktemp("cluster")
+    bootstrap, env = _own_cluster(tmp, services.kafka_bootstrap)
+    try:
+        yield bootstrap
+    finally:
+        subprocess.run(
+            [str(tmp / "services" / "down"), "--purge"],  # no PostgreSQL runs there
+            env=env,
+            capture_output=True,
+            timeout=180,
+            check=False,
+        )
+
+
+def _leader(admin: KafkaAdminClient, topic: str) -> tuple[int, list[int]]:
+    (described,) = admin.describe_topics([topic])
+    (partition,) = described["partitions"]
+    return partition["leader_id"], list(partition["replica_nodes"])
+
+
+def _move_leader(admin: KafkaAdminClient, topic: str) -> int:
+    """Make another in-sync replica the partition's leader; the new leader's id."""
+    leader, replicas = _leader(admin, topic)
+    assert len(replicas) >= 2, f"{topic}[0] has one replica: its leader cannot move"
+    order = [r for r in replicas if r != leader] + [leader]
+    admin.alter_partition_reassignments({TopicPartition(topic, 0): order})
+
+    def moved() -> bool:
+        admin.elect_leaders(0, {topic: [0]}, raise_errors=False)  # 0: preferred
+        return _leader(admin, topic)[0] == order[0]
+
+    wait_until(moved, timeout=60, interval=0.5, what=f"{topic}[0]'s leader to move")
+    return order[0]
+
+
+def _produce(bootstrap: str, topic: str, count: int) -> list[str]:
+    """``count`` records of key ``k`` as the publisher writes them; their message ids."""
+    ids = [str(uuid.uuid4()) for _ in range(count)]
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", client_id="outbox-tests")
+    try:
+        for message_id in ids:
+            headers = [(ID_HEADER, message_id.encode())]
+            producer.send(topic, key=b"k", value=b"x", partition=0, headers=headers)
+        producer.flush(timeout=30)
+    finally:
+        producer.close()
+    return ids
+
+
+def test_offsets_are_found_at_once_after_the_partition_leader_moved(cluster: str) -> None:
+    # The reconciler asks a partition's offsets before each scan. After a
+    # leader moved, kafka-python's consumer kept asking the old leader (which
+    # answers NOT_LEADER) without looking the new one up, until its metadata
+    # expired five minutes later: uncertain messages waited that long.
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(cluster, topic, partitions=1, replication_factor=3)
+    _produce(cluster, topic, 10)
+    scanner = KafkaLogScanner(cluster, timeout_seconds=30)
+    admin = KafkaAdminClient(bootstrap_servers=cluster, client_id="outbox-tests")
+    try:
+        assert scanner.offset_range(topic, 0) == (0, 10)
+        assert scanner.offset_range(topic, 0, committed=True) == (0, 10)
+
+        _move_leader(admin, topic)
+        later = _produce(cluster, topic, 5)
+
+        for committed in (False, True):
+            began = time.monotonic()
+            assert scanner.offset_range(topic, 0, committed=committed) == (0, 15)
+            took = time.monotonic() - began
+            assert took < 5, f"committed={committed}: {took:.1f} s"
+        # The scan itself (the consumer's fetches) follows the new leader too.
+        scan = scanner.find(topic, 0, 0, 15, [later[2]], keys=[b"k"])
+        assert scan.found == {later[2]: [12]}
+        assert scan.key_records == {b"k": 15}
+    finally:
+        scanner.close()
+        admin.close()
