@@ -251,6 +251,8 @@ class KafkaLogScanner:
         A retriable answer (a new leader that cannot tell its offsets yet, a
         leader being elected) is asked again, pausing between tries, for up to
         :data:`OFFSET_LOOKUP_SECONDS`; then it is raised and the pass retries.
+        A partition with no leader at all (offline) raises
+        ``LeaderNotAvailableError`` at once.
         """
         tp = TopicPartition(topic, partition)
         level = "read_committed" if committed else "read_uncommitted"
@@ -262,6 +264,14 @@ class KafkaLogScanner:
                 start = ask({tp: OffsetSpec.EARLIEST}, isolation_level=level)[tp]
                 end = ask({tp: OffsetSpec.LATEST}, isolation_level=level)[tp]
                 return int(start.offset), int(end.offset)
+            except kafka_errors.UnknownBrokerIdError as exc:
+                if exc.args != (-1,):
+                    raise
+                # The admin client sends to the leader its metadata names, and
+                # -1 names none: every replica in sync is down. Not retried.
+                raise kafka_errors.LeaderNotAvailableError(
+                    f"{topic}[{partition}] has no leader (its in-sync replicas are all down)"
+                ) from exc
             except kafka_errors.KafkaError as exc:
                 if not exc.retriable or time.monotonic() + pause > deadline:
                     raise

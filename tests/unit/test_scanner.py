@@ -99,3 +99,27 @@ def test_a_retriable_answer_is_raised_once_the_lookup_time_is_spent(
     assert 0.3 <= took < 1.5, took
     # It paused between tries: a handful of questions, not a busy loop.
     assert 2 <= len(admin.asked) <= 10, len(admin.asked)
+
+
+def test_a_partition_without_a_leader_is_named_and_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With every in-sync replica down, the metadata names leader -1, and the
+    # admin client fails to find broker -1 (seen on a three-broker cluster
+    # with a one-replica topic whose broker was killed).
+    admin = ScriptedAdmin([kafka_errors.UnknownBrokerIdError(-1), 0, 9])
+    scanner = scanner_with(admin, monkeypatch)
+
+    with pytest.raises(kafka_errors.LeaderNotAvailableError, match=r"t\[3\] has no leader"):
+        scanner.offset_range("t", 3)
+    assert len(admin.asked) == 1
+
+
+def test_another_unknown_broker_is_not_called_leaderless(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin = ScriptedAdmin([kafka_errors.UnknownBrokerIdError(7)])
+    scanner = scanner_with(admin, monkeypatch)
+
+    with pytest.raises(kafka_errors.UnknownBrokerIdError):
+        scanner.offset_range("t", 0)
