@@ -8,11 +8,12 @@ from the middle of this topic?" (compaction).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka import errors as kafka_errors
@@ -164,6 +165,24 @@ class LogScanner(Protocol):
         ...
 
 
+class _AdminClient(KafkaAdminClient):  # type: ignore[misc]  # kafka-python is untyped
+    """A ``KafkaAdminClient`` that stops its IO thread when it cannot bootstrap.
+
+    kafka-python 3.0 starts the thread, then bootstraps; if that fails, the
+    thread runs on and ``close()`` does nothing (the client never counted as
+    open): one thread per failed attempt, for every pass of an outage.
+    """
+
+    def __init__(self, **config: Any) -> None:
+        try:
+            super().__init__(**config)
+        except BaseException:
+            self._closed = False  # what close() takes for a client that opened
+            with contextlib.suppress(Exception):  # parts that were never built
+                self.close()
+            raise
+
+
 #: How long one offset lookup may go on retrying retriable answers (a leader
 #: moving or being elected takes well under a second; Kafka away takes longer).
 OFFSET_LOOKUP_SECONDS = 15.0
@@ -220,7 +239,7 @@ class KafkaLogScanner:
     def _admin_client(self) -> KafkaAdminClient:
         """The admin client, connected on first use (as the consumers are)."""
         if self._admin is None:
-            self._admin = KafkaAdminClient(
+            self._admin = _AdminClient(
                 bootstrap_servers=self._bootstrap_servers,
                 client_id="outbox-reconciler-admin",
                 request_timeout_ms=15_000,
@@ -257,21 +276,33 @@ class KafkaLogScanner:
         tp = TopicPartition(topic, partition)
         level = "read_committed" if committed else "read_uncommitted"
         deadline = time.monotonic() + OFFSET_LOOKUP_SECONDS
+
+        def ask(spec: OffsetSpec) -> int:
+            # timeout_ms bounds the client's own NOT_LEADER retries; each request
+            # is bounded by its request_timeout_ms.
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            answer = self._admin_client().list_partition_offsets(
+                {tp: spec}, isolation_level=level, timeout_ms=left_ms
+            )
+            return int(answer[tp].offset)
+
         pause = 0.05
         while True:
             try:
-                ask = self._admin_client().list_partition_offsets
-                start = ask({tp: OffsetSpec.EARLIEST}, isolation_level=level)[tp]
-                end = ask({tp: OffsetSpec.LATEST}, isolation_level=level)[tp]
-                return int(start.offset), int(end.offset)
+                return ask(OffsetSpec.EARLIEST), ask(OffsetSpec.LATEST)
             except kafka_errors.UnknownBrokerIdError as exc:
-                if exc.args != (-1,):
+                if exc.args == (-1,):
+                    # The admin client sends to the leader its metadata names, and
+                    # -1 names none: every replica in sync is down. Not retried.
+                    raise kafka_errors.LeaderNotAvailableError(
+                        f"{topic}[{partition}] has no leader (its in-sync replicas are all down)"
+                    ) from exc
+                # A leader on a broker the client's list of brokers lacks (it
+                # was down at the list's last refresh, up to five minutes ago):
+                # a new client starts from fresh metadata.
+                self._close_admin()
+                if time.monotonic() + pause > deadline:
                     raise
-                # The admin client sends to the leader its metadata names, and
-                # -1 names none: every replica in sync is down. Not retried.
-                raise kafka_errors.LeaderNotAvailableError(
-                    f"{topic}[{partition}] has no leader (its in-sync replicas are all down)"
-                ) from exc
             except kafka_errors.KafkaError as exc:
                 if not exc.retriable or time.monotonic() + pause > deadline:
                     raise
@@ -344,6 +375,9 @@ class KafkaLogScanner:
         for consumer in self._open.values():
             consumer.close()
         self._open.clear()
+        self._close_admin()
+
+    def _close_admin(self) -> None:
         if self._admin is not None:
             self._admin.close()
             self._admin = None

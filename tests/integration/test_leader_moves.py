@@ -20,10 +20,12 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
 
 from outbox.intent import ID_HEADER
 from publisher.scanner import KafkaLogScanner
@@ -54,40 +56,65 @@ def _own_cluster(tmp: Path, single_bootstrap: str) -> tuple[str, dict[str, str]]
         "OUTBOX_KAFKA_CONTROLLER_PORT": str(port + 1),
         "OUTBOX_KAFKA_SASL_PORT": "0",
     }
-    up = subprocess.run(
-        [str(tmp / "services" / "up"), "kafka"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if up.returncode != 0:
-        raise RuntimeError(f"services/up of the test cluster failed:\n{up.stdout}\n{up.stderr}")
+    try:
+        up = subprocess.run(
+            [str(tmp / "services" / "up"), "kafka"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if up.returncode != 0:
+            raise RuntimeError(f"services/up of the test cluster failed:\n{up.stdout}\n{up.stderr}")
+    except BaseException:
+        _stop_cluster(tmp, env)  # up leaves the nodes it started running
+        raise
     return ",".join(f"127.0.0.1:{port + 3 * n}" for n in range(3)), env
 
 
+def _stop_cluster(tmp: Path, env: dict[str, str]) -> None:
+    subprocess.run(
+        [str(tmp / "services" / "down"), "--purge"],  # no PostgreSQL runs there
+        env=env,
+        capture_output=True,
+        timeout=180,
+        check=False,
+    )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A Kafka cluster of three brokers or more."""
+
+    bootstrap: str
+    #: ``services/kafka-node`` with its environment, for the module's own
+    #: cluster (``None`` for a given one, whose brokers the tests may not kill).
+    node_script: tuple[Path, dict[str, str]] | None = None
+
+    def node(self, command: str, node_id: int) -> None:
+        assert self.node_script is not None
+        script, env = self.node_script
+        subprocess.run(
+            [str(script), command, str(node_id)], env=env, check=True, capture_output=True
+        )
+
+
 @pytest.fixture(scope="module")
-def cluster(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The bootstrap of a Kafka cluster of three brokers or more."""
+def cluster(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A cluster of three brokers or more."""
     given = os.environ.get("OUTBOX_KAFKA_CLUSTER_BOOTSTRAP")
     if given:
-        yield given
+        yield Cluster(given)
         return
     if not local_services_running():
         pytest.skip("needs OUTBOX_KAFKA_CLUSTER_BOOTSTRAP, or the services services/up runs")
     tmp = tmp_path_factory.mktemp("cluster")
     bootstrap, env = _own_cluster(tmp, services.kafka_bootstrap)
     try:
-        yield bootstrap
+        yield Cluster(bootstrap, (tmp / "services" / "kafka-node", env))
     finally:
-        subprocess.run(
-            [str(tmp / "services" / "down"), "--purge"],  # no PostgreSQL runs there
-            env=env,
-            capture_output=True,
-            timeout=180,
-            check=False,
-        )
+        _stop_cluster(tmp, env)
 
 
 def _leader(admin: KafkaAdminClient, topic: str) -> tuple[int, list[int]]:
@@ -96,11 +123,14 @@ def _leader(admin: KafkaAdminClient, topic: str) -> tuple[int, list[int]]:
     return partition["leader_id"], list(partition["replica_nodes"])
 
 
-def _move_leader(admin: KafkaAdminClient, topic: str) -> int:
-    """Make another in-sync replica the partition's leader; the new leader's id."""
+def _move_leader(admin: KafkaAdminClient, topic: str, to: int | None = None) -> int:
+    """Make another in-sync replica (``to``, if given) the partition's leader; its id."""
     leader, replicas = _leader(admin, topic)
     assert len(replicas) >= 2, f"{topic}[0] has one replica: its leader cannot move"
-    order = [r for r in replicas if r != leader] + [leader]
+    if to is None:
+        to = next(r for r in replicas if r != leader)
+    assert to != leader, f"broker {to} leads {topic}[0] already"
+    order = [to] + [r for r in replicas if r != to]
     admin.alter_partition_reassignments({TopicPartition(topic, 0): order})
 
     def moved() -> bool:
@@ -125,22 +155,22 @@ def _produce(bootstrap: str, topic: str, count: int) -> list[str]:
     return ids
 
 
-def test_offsets_are_found_at_once_after_the_partition_leader_moved(cluster: str) -> None:
+def test_offsets_are_found_at_once_after_the_partition_leader_moved(cluster: Cluster) -> None:
     # The reconciler asks a partition's offsets before each scan. After a
     # leader moved, kafka-python's consumer kept asking the old leader (which
     # answers NOT_LEADER) without looking the new one up, until its metadata
     # expired five minutes later: uncertain messages waited that long.
     topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
-    create_topic(cluster, topic, partitions=1, replication_factor=3)
-    _produce(cluster, topic, 10)
-    scanner = KafkaLogScanner(cluster, timeout_seconds=30)
-    admin = KafkaAdminClient(bootstrap_servers=cluster, client_id="outbox-tests")
+    create_topic(cluster.bootstrap, topic, partitions=1, replication_factor=3)
+    _produce(cluster.bootstrap, topic, 10)
+    scanner = KafkaLogScanner(cluster.bootstrap, timeout_seconds=30)
+    admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap, client_id="outbox-tests")
     try:
         assert scanner.offset_range(topic, 0) == (0, 10)
         assert scanner.offset_range(topic, 0, committed=True) == (0, 10)
 
         _move_leader(admin, topic)
-        later = _produce(cluster, topic, 5)
+        later = _produce(cluster.bootstrap, topic, 5)
 
         for committed in (False, True):
             began = time.monotonic()
@@ -152,5 +182,51 @@ def test_offsets_are_found_at_once_after_the_partition_leader_moved(cluster: str
         assert scan.found == {later[2]: [12]}
         assert scan.key_records == {b"k": 15}
     finally:
+        scanner.close()
+        admin.close()
+
+
+def test_a_leader_on_a_broker_that_was_down_when_the_scanner_started_is_found(
+    cluster: Cluster,
+) -> None:
+    # The admin client looks the leader up afresh but connects through its
+    # list of brokers, refreshed every five minutes: one that was down then
+    # and leads now is unknown to it (UnknownBrokerIdError until the refresh).
+    if cluster.node_script is None:
+        pytest.skip("kills a broker: only of the module's own cluster")
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(cluster.bootstrap, topic, partitions=1, replication_factor=3)
+    _produce(cluster.bootstrap, topic, 4)
+    admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap, client_id="outbox-tests")
+    leader, _ = _leader(admin, topic)
+    away = next(n for n in (1, 2, 3) if n != leader)
+    cluster.node("kill", away)
+    scanner = KafkaLogScanner(cluster.bootstrap)
+    try:
+        # The scanner starts while the broker is away (once the cluster has
+        # dropped it from its metadata).
+        def gone() -> bool:
+            try:
+                brokers = admin.describe_cluster()["brokers"]
+            except KafkaError:  # asked the broker that was killed
+                return False
+            # A fenced broker is left out of the metadata clients get.
+            return away not in {b["broker_id"] for b in brokers if not b.get("is_fenced")}
+
+        wait_until(gone, timeout=60, interval=0.5, what=f"broker {away} to leave the metadata")
+        assert scanner.offset_range(topic, 0) == (0, 4)
+        cluster.node("start", away)
+
+        def in_sync() -> bool:
+            (described,) = admin.describe_topics([topic])
+            return away in described["partitions"][0]["isr_nodes"]
+
+        wait_until(in_sync, timeout=60, interval=0.5, what=f"broker {away} back in sync")
+        _move_leader(admin, topic, to=away)
+
+        assert scanner.offset_range(topic, 0) == (0, 4)
+        assert scanner.offset_range(topic, 0, committed=True) == (0, 4)
+    finally:
+        cluster.node("start", away)  # a no-op once it runs
         scanner.close()
         admin.close()

@@ -7,6 +7,7 @@ broker kills, docs/development.md); these tests pin the scanner's own policy.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from kafka.structs import OffsetAndTimestamp
 
 import publisher.scanner as scanner_module
 from publisher.scanner import KafkaLogScanner
+from tests.support import wait_until
 
 
 class ScriptedAdmin:
@@ -26,13 +28,17 @@ class ScriptedAdmin:
     def __init__(self, script: list[BaseException | int]) -> None:
         self.script = script
         self.asked: list[tuple[OffsetSpec, str]] = []
+        self.built = 0
+        self.closed = 0
 
     def __call__(self, **_config: Any) -> ScriptedAdmin:  # stands in for the class
+        self.built += 1
         return self
 
     def list_partition_offsets(
-        self, specs: dict[TopicPartition, OffsetSpec], *, isolation_level: str
+        self, specs: dict[TopicPartition, OffsetSpec], *, isolation_level: str, timeout_ms: int
     ) -> dict[TopicPartition, OffsetAndTimestamp]:
+        assert 0 < timeout_ms <= scanner_module.OFFSET_LOOKUP_SECONDS * 1000
         ((tp, spec),) = specs.items()
         self.asked.append((spec, isolation_level))
         step = self.script.pop(0) if self.script else 0
@@ -41,11 +47,11 @@ class ScriptedAdmin:
         return {tp: OffsetAndTimestamp(step, -1, None)}
 
     def close(self) -> None:
-        pass
+        self.closed += 1
 
 
 def scanner_with(admin: ScriptedAdmin, monkeypatch: pytest.MonkeyPatch) -> KafkaLogScanner:
-    monkeypatch.setattr(scanner_module, "KafkaAdminClient", admin)
+    monkeypatch.setattr(scanner_module, "_AdminClient", admin)
     return KafkaLogScanner("127.0.0.1:9")
 
 
@@ -115,11 +121,31 @@ def test_a_partition_without_a_leader_is_named_and_not_waited_for(
     assert len(admin.asked) == 1
 
 
-def test_another_unknown_broker_is_not_called_leaderless(
+def test_a_leader_on_a_broker_the_client_does_not_know_gets_a_new_client(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    admin = ScriptedAdmin([kafka_errors.UnknownBrokerIdError(7)])
+    # The admin client looks the leader up afresh, but connects through a list
+    # of brokers refreshed only every five minutes: a broker that was down at
+    # the last refresh and now leads is unknown to it.
+    admin = ScriptedAdmin([kafka_errors.UnknownBrokerIdError(7), 4, 9])
     scanner = scanner_with(admin, monkeypatch)
 
-    with pytest.raises(kafka_errors.UnknownBrokerIdError):
-        scanner.offset_range("t", 0)
+    assert scanner.offset_range("t", 0) == (4, 9)
+    assert (admin.built, admin.closed) == (2, 1)
+
+
+def test_an_admin_client_that_cannot_bootstrap_leaves_no_thread() -> None:
+    # kafka-python's own client starts its IO thread before it bootstraps and
+    # leaves it running when that fails: one thread per pass of an outage.
+    def io_threads() -> int:
+        return sum(t.name.startswith("kafka-io") for t in threading.enumerate())
+
+    before = io_threads()
+    for _ in range(3):
+        with pytest.raises(kafka_errors.KafkaError):
+            scanner_module._AdminClient(
+                bootstrap_servers="127.0.0.1:9",  # nothing listens there
+                bootstrap_timeout_ms=300,
+                request_timeout_ms=300,
+            )
+    wait_until(lambda: io_threads() == before, timeout=5, what="the IO threads to end")
