@@ -201,26 +201,23 @@ class KafkaLogScanner:
         self._bootstrap_servers = bootstrap_servers
         self._security = security
         self._timeout = timeout_seconds
-        #: One consumer per isolation level (read_committed: True), opened on first
-        #: use: scans read read_committed; the other answers the high watermark.
-        self._open: dict[bool, KafkaConsumer] = {}
+        #: Opened on first use: it reads the scans and answers topic metadata;
+        #: offsets are asked through the admin client (``offset_range``).
+        self._reader: KafkaConsumer | None = None
         self._admin: KafkaAdminClient | None = None
 
     @property
     def _consumer(self) -> KafkaConsumer:
-        return self._consumer_for(committed=False)
-
-    def _consumer_for(self, *, committed: bool) -> KafkaConsumer:
-        """The consumer of that isolation level, connected on first use.
+        """The read_committed consumer, connected on first use.
 
         So a publisher starts while Kafka is away; its reconciliation passes
         are postponed until Kafka answers.
         """
-        if committed not in self._open:
-            self._open[committed] = KafkaConsumer(
+        if self._reader is None:
+            self._reader = KafkaConsumer(
                 bootstrap_servers=self._bootstrap_servers,
                 client_id="outbox-reconciler",
-                isolation_level="read_committed" if committed else "read_uncommitted",
+                isolation_level="read_committed",
                 group_id=None,
                 enable_auto_commit=False,
                 # Fail within seconds when the broker is away, instead of the
@@ -234,10 +231,10 @@ class KafkaLogScanner:
                 auto_offset_reset="none",
                 **self._security.kafka_python(),
             )
-        return self._open[committed]
+        return self._reader
 
     def _admin_client(self) -> KafkaAdminClient:
-        """The admin client, connected on first use (as the consumers are)."""
+        """The admin client, connected on first use (as the consumer is)."""
         if self._admin is None:
             self._admin = _AdminClient(
                 bootstrap_servers=self._bootstrap_servers,
@@ -327,7 +324,7 @@ class KafkaLogScanner:
         scan = Scan()
         if start >= end or not wanted:
             return scan
-        consumer = self._consumer_for(committed=True)
+        consumer = self._consumer
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
         consumer.seek(tp, start)
@@ -371,10 +368,10 @@ class KafkaLogScanner:
         return {policy.strip() for policy in str(entry["value"]).split(",")}
 
     def close(self) -> None:
-        """Close the consumers and the admin client, if they were ever opened."""
-        for consumer in self._open.values():
-            consumer.close()
-        self._open.clear()
+        """Close the consumer and the admin client, if they were ever opened."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         self._close_admin()
 
     def _close_admin(self) -> None:

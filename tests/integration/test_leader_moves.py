@@ -24,13 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, TopicPartition
 from kafka.errors import KafkaError
 
 from outbox.intent import ID_HEADER
 from publisher.scanner import KafkaLogScanner
 from tests.conftest import Services
-from tests.support import SERVICES, create_topic, local_services_running, wait_until
+from tests.support import (
+    SERVICES,
+    create_topic,
+    local_services_running,
+    send_raw,
+    wait_until,
+)
 
 #: How far above the single broker's port the module's own cluster listens.
 CLUSTER_PORT_OFFSET = 200
@@ -142,16 +148,9 @@ def _move_leader(admin: KafkaAdminClient, topic: str, to: int | None = None) -> 
 
 
 def _produce(bootstrap: str, topic: str, count: int) -> list[str]:
-    """``count`` records of key ``k`` as the publisher writes them; their message ids."""
+    """``count`` records of key ``k`` carrying message ids, to partition 0; their ids."""
     ids = [str(uuid.uuid4()) for _ in range(count)]
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", client_id="outbox-tests")
-    try:
-        for message_id in ids:
-            headers = [(ID_HEADER, message_id.encode())]
-            producer.send(topic, key=b"k", value=b"x", partition=0, headers=headers)
-        producer.flush(timeout=30)
-    finally:
-        producer.close()
+    send_raw(bootstrap, topic, 0, [(b"k", [(ID_HEADER, i.encode())]) for i in ids])
     return ids
 
 

@@ -1,8 +1,9 @@
 """KafkaLogScanner.offset_range: which answers it asks again, and for how long.
 
 The admin client is replaced by a scripted one: whether kafka-python's admin
-client finds a moved leader is shown against a real cluster (the soak's
-broker kills, docs/development.md); these tests pin the scanner's own policy.
+client finds a moved leader is shown against a real cluster
+(tests/integration/test_leader_moves.py); these tests pin the scanner's own
+policy.
 """
 
 from __future__ import annotations
