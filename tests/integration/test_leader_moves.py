@@ -6,10 +6,12 @@ that keeps the old leader in its metadata is answered NOT_LEADER by a broker
 that is alive and well.
 
 The cluster is ``OUTBOX_KAFKA_CLUSTER_BOOTSTRAP`` when set (three brokers or
-more). Otherwise, when the single broker is this checkout's ``services/up``,
-the module starts a cluster of its own with a copy of the ``services/``
-scripts in a temporary directory (its ports ``OUTBOX_KAFKA_PORT`` + 200 to
-+ 208, its data apart from the checkout's), and stops it at the end.
+more), or the checkout's own services when ``services/up`` runs them as three
+brokers (``OUTBOX_KAFKA_BROKERS=3``). Otherwise, when the single broker is
+this checkout's ``services/up``, the module starts a cluster of its own with
+a copy of the ``services/`` scripts in a temporary directory (its ports
+``OUTBOX_KAFKA_PORT`` + 200 to + 208, its data apart from the checkout's),
+and stops it at the end.
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ def _own_cluster(tmp: Path, single_bootstrap: str) -> tuple[str, dict[str, str]]
     return ",".join(f"127.0.0.1:{port + 3 * n}" for n in range(3)), env
 
 
+def _checkout_brokers() -> int:
+    """How many brokers the checkout's ``services/up`` last started (0: none)."""
+    shape = SERVICES.parent / ".services" / "kafka.brokers"
+    try:
+        return int(shape.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
 def _stop_cluster(tmp: Path, env: dict[str, str]) -> None:
     subprocess.run(
         [str(tmp / "services" / "down"), "--purge"],  # no PostgreSQL runs there
@@ -112,6 +123,10 @@ def cluster(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Ite
     given = os.environ.get("OUTBOX_KAFKA_CLUSTER_BOOTSTRAP")
     if given:
         yield Cluster(given)
+        return
+    if _checkout_brokers() >= 3:
+        # The checkout's services are a cluster already (OUTBOX_KAFKA_BROKERS=3).
+        yield Cluster(services.kafka_bootstrap)
         return
     if not local_services_running():
         pytest.skip("needs OUTBOX_KAFKA_CLUSTER_BOOTSTRAP, or the services services/up runs")
