@@ -437,6 +437,31 @@ WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now
 ORDER BY m.seq
 LIMIT %(limit)s
 
+-- name: note_waiting
+-- Say on uncertain messages why their reconciliation waits (their producer
+-- session could not be fenced): in last_error, which outbox list and outbox
+-- inspect show. The error of the attempt that left each uncertain stays in
+-- outbox.attempts. Only a message still undecided at the fence the reconciler
+-- read is written, and only when its note changes, so a pass that fails the
+-- same way again writes nothing; a row another transaction holds (an
+-- operator's decision) is skipped, not waited for.
+-- (Rows whose note is already this one are not even locked: a lock is a write.)
+WITH changing AS (
+    SELECT m.id
+    FROM outbox.messages AS m
+    JOIN unnest(%(ids)s::uuid[], %(fences)s::bigint[]) AS w(id, fence) ON w.id = m.id
+    -- Looked up by key, whatever the statistics say (see settle_batch).
+    WHERE m.id = ANY(%(ids)s::uuid[]) AND m.fence = w.fence
+      AND m.state COLLATE "C" = 'uncertain' AND m.escalated_at IS NULL
+      AND m.last_error IS DISTINCT FROM %(note)s
+    FOR UPDATE OF m SKIP LOCKED
+)
+UPDATE outbox.messages AS m
+SET last_error = %(note)s,
+    updated_at = now()
+FROM changing AS c
+WHERE m.id = ANY(%(ids)s::uuid[]) AND m.id = c.id
+
 -- name: later_of_key
 -- Of the given message ids, those that come after message %(id)s in its
 -- key's order (same topic and key, a higher seq): a record of one of them in

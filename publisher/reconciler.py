@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
 from outbox.states import State
@@ -193,6 +194,25 @@ class _Unread:
     def raise_if_all_failed(self) -> None:
         if self.failures and self.deferred >= self.messages:
             raise self.failures[0]
+
+
+def fence_refused_note(transactional_id: str, error: BaseException) -> str:
+    """What an uncertain message says (its ``last_error``) while the session it was sent
+    under cannot be fenced: the error, and what to do about it."""
+    name, text = type(error).__name__, str(error)
+    cause = text if name in text else f"{name}: {text}"  # kafka-python's errors name themselves
+    if isinstance(error, kafka_errors.TransactionalIdAuthorizationFailedError):
+        action = (
+            f"grant the publisher's Kafka principal Write and Describe on TransactionalId "
+            f"{transactional_id} (the prefix outbox-, see docs/security.md); "
+            "reconciliation goes on at the next pass after that"
+        )
+    else:
+        action = "each reconciliation pass tries again"
+    return (
+        f"reconciliation waits: the producer session {transactional_id} that sent it could "
+        f"not be fenced ({cause}); {action}"
+    )
 
 
 class Reconciler:
@@ -380,8 +400,14 @@ class Reconciler:
     def _fence(
         self, due: Sequence[UncertainMessage], report: ReconcileReport
     ) -> list[UncertainMessage]:
-        """Fence the sessions the due messages were sent under; defer those it could not."""
+        """Fence the sessions the due messages were sent under; defer those it could not.
+
+        The messages of a session whose fence failed say why in their
+        ``last_error`` (``fence_refused_note``), so that an operator sees what
+        keeps them uncertain without the publisher's logs.
+        """
         unfenced: set[str] = set()
+        refused: dict[str, str] = {}
         sessions = sorted({m.transactional_id for m in due if m.transactional_id})
         for index, transactional_id in enumerate(sessions):
             if transactional_id in self._fenced:
@@ -395,6 +421,7 @@ class Reconciler:
             except Exception as exc:  # noqa: BLE001 - retried next pass; nothing is decided
                 log.warning("could not fence %s, its messages wait: %s", transactional_id, exc)
                 unfenced.add(transactional_id)
+                refused[transactional_id] = fence_refused_note(transactional_id, exc)
                 if is_unreachable(exc):
                     # No broker answered: each other session would wait out the
                     # same timeouts, holding the loop. They wait for a later pass.
@@ -405,6 +432,8 @@ class Reconciler:
                 self._fenced.add(transactional_id)
             finally:
                 self.progress()  # a fence may take seconds: a long pass is not a stuck loop
+        for session, note in refused.items():
+            self.store.note_waiting([m for m in due if m.transactional_id == session], note)
         report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
         return [m for m in due if m.transactional_id not in unfenced]
 

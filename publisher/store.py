@@ -395,6 +395,17 @@ class PublisherStore:
         ).fetchall()
         return [UncertainMessage(*row) for row in rows]
 
+    def note_waiting(self, messages: Sequence[UncertainMessage], note: str) -> int:
+        """Write ``note`` as the ``last_error`` of those of ``messages`` still uncertain at
+        the fence read, and not escalated; return how many rows changed."""
+        if not messages:
+            return 0
+        cursor = self.conn.execute(
+            query("note_waiting"),
+            {"ids": [m.id for m in messages], "fences": [m.fence for m in messages], "note": note},
+        )
+        return cursor.rowcount
+
     def later_of_key(self, message_id: uuid.UUID, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
         """Those of ``ids`` that come after ``message_id`` in its key's order."""
         if not ids:

@@ -21,7 +21,16 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import NewPartitions, NewTopic
+from kafka.admin import (
+    ACL,
+    ACLOperation,
+    ACLPermissionType,
+    ACLResourcePatternType,
+    NewPartitions,
+    NewTopic,
+    ResourcePattern,
+    ResourceType,
+)
 from kafka.errors import KafkaError
 from psycopg.rows import dict_row
 
@@ -423,6 +432,37 @@ SERVICES = Path(__file__).resolve().parent.parent / "services"
 def local_service(action: str, name: str) -> None:
     """``services/<action> <name>``: stop or start one local service (``postgres``, ``kafka``)."""
     subprocess.run([str(SERVICES / action), name], check=True, timeout=180, capture_output=True)
+
+
+def deny(bootstrap: str, resource: ResourceType, name: str, operation: ACLOperation) -> ACL:
+    """Deny ``operation`` on the resource ``name`` to the tests' (anonymous) client with an
+    ACL, once the broker enforces it. The broker runs ``allow.everyone.if.no.acl.found``:
+    every other resource stays open."""
+    acl = ACL(
+        principal="User:ANONYMOUS",
+        host="*",
+        operation=operation,
+        permission_type=ACLPermissionType.DENY,
+        resource_pattern=ResourcePattern(resource, name, ACLResourcePatternType.LITERAL),
+    )
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        result = admin.create_acls([acl])
+        assert not result["failed"], result
+        wait_until(lambda: admin.describe_acls(acl)[0], timeout=10, what="the ACL")
+    finally:
+        admin.close()
+    return acl
+
+
+def allow_again(bootstrap: str, acl: ACL) -> None:
+    """Delete an ACL ``deny`` created, once the broker no longer shows it."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    try:
+        admin.delete_acls([acl])
+        wait_until(lambda: not admin.describe_acls(acl)[0], timeout=10, what="the ACL gone")
+    finally:
+        admin.close()
 
 
 def local_services_running() -> bool:

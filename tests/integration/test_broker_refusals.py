@@ -12,19 +12,11 @@ import uuid
 import psycopg
 import pytest
 from kafka import KafkaAdminClient
-from kafka.admin import (
-    ACL,
-    ACLOperation,
-    ACLPermissionType,
-    ACLResourcePatternType,
-    NewTopic,
-    ResourcePattern,
-    ResourceType,
-)
+from kafka.admin import ACLOperation, NewTopic, ResourceType
 
 import outbox
 from outbox.operator import discard
-from tests.support import SINKS, publish_until_idle, read_topic, small_topic, wait_until
+from tests.support import SINKS, deny, publish_until_idle, read_topic, small_topic
 
 pytestmark = pytest.mark.integration
 
@@ -49,20 +41,9 @@ def _forbidden_topic(bootstrap: str) -> str:
     admin = _admin(bootstrap)
     try:
         admin.create_topics([NewTopic(name, 1, 1)])
-        acl = ACL(
-            principal="User:ANONYMOUS",
-            host="*",
-            operation=ACLOperation.WRITE,
-            permission_type=ACLPermissionType.DENY,
-            resource_pattern=ResourcePattern(
-                ResourceType.TOPIC, name, ACLResourcePatternType.LITERAL
-            ),
-        )
-        result = admin.create_acls([acl])
-        assert not result["failed"], result
-        wait_until(lambda: admin.describe_acls(acl)[0], timeout=10, what="the ACL")
     finally:
         admin.close()
+    deny(bootstrap, ResourceType.TOPIC, name, ACLOperation.WRITE)
     return name
 
 

@@ -14,16 +14,20 @@ import threading
 import uuid
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 import pytest
 from kafka import KafkaAdminClient, TopicPartition
+from kafka.admin import ACLOperation, ResourceType
 from kafka.errors import KafkaError
 from psycopg.conninfo import make_conninfo
 
 import outbox
+from outbox.inspection import list_messages
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
+from outbox.render import listing_text
 from outbox.states import State
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
@@ -36,9 +40,11 @@ from tests.support import (
     LONG_ABSENCE_GRACE,
     ClaimingStore,
     TransactionalSession,
+    allow_again,
     claiming_store,
     create_topic,
     delete_topic,
+    deny,
     fetch_rows,
     grow_topic,
     make_uncertain,
@@ -685,6 +691,51 @@ def test_pages_of_due_messages_follow_each_other_from_pass_to_pass(
         "uncertain",
         "pending",
     )
+
+
+def test_a_session_the_broker_will_not_let_be_fenced_says_so_on_its_messages(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """An ACL denies the fencer the session's transactional.id: the message stays
+    uncertain, and outbox list shows why and what to grant; the attempt keeps its own
+    error; a second pass that fails the same way writes nothing. Once the ACL is gone,
+    the next pass decides the message."""
+    message = _enqueue(database_url, topic)
+    session = f"outbox-{uuid.uuid4()}-1"
+    make_uncertain_in_transaction(database_url, session)
+    acl = deny(kafka_bootstrap, ResourceType.TRANSACTIONAL_ID, session, ACLOperation.WRITE)
+    try:
+        report = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+        assert report.deferred == [message]
+        state, *_, note = _message(database_url, message)
+        assert state == "uncertain"
+        assert note.startswith(f"reconciliation waits: the producer session {session} ")
+        assert "TransactionalIdAuthorizationFailedError" in note
+        assert f"Write and Describe on TransactionalId {session}" in note
+        with psycopg.connect(database_url) as conn:
+            listed = listing_text(list_messages(conn, State.UNCERTAIN), now=datetime.now(UTC))
+        assert f"{session} that sent it could not be fenced" in listed
+        [(attempt_error, written_at)] = fetch_rows(
+            database_url,
+            "SELECT a.error, m.updated_at FROM outbox.attempts AS a "
+            "JOIN outbox.messages AS m ON m.id = a.message_id WHERE a.message_id = %s",
+            message,
+        )
+        assert attempt_error == "KafkaTimeoutError: Expiring 1 record(s)"
+
+        again = _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap))
+        assert again.deferred == [message]
+        [(updated_at,)] = fetch_rows(
+            database_url, "SELECT updated_at FROM outbox.messages WHERE id = %s", message
+        )
+        assert updated_at == written_at
+    finally:
+        allow_again(kafka_bootstrap, acl)
+
+    assert _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap)).pending == [message]
+    state, *_, reason = _message(database_url, message)
+    assert state == "pending"
+    assert reason.startswith("proven absent: no record with its id")
 
 
 def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:

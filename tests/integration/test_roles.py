@@ -22,6 +22,7 @@ import outbox
 from outbox.errors import OutboxError
 from outbox.roles import RoleNames, create_roles, granted_roles
 from outbox.status import read_open_status
+from publisher.store import PublisherStore
 from publisher.testing import publish_until_idle
 from tests.support import fetch_rows, make_uncertain, read_topic, run_outbox_cli
 
@@ -155,6 +156,12 @@ def test_the_publisher_delivers_and_reconciles_but_creates_and_drops_nothing(
     assert set(make_uncertain(database_url)) == {uncertain}
     with psycopg.connect(logins.writer_url) as conn:
         fresh = outbox.enqueue(conn, topic, b"second", key="k")
+    # The reconciler's note on a message it must leave waiting (a session it cannot fence).
+    store = PublisherStore(logins.publisher_url, uuid.uuid4())
+    try:
+        assert store.note_waiting(store.uncertain_due(), "reconciliation waits: a test") == 1
+    finally:
+        store.close()
 
     totals = publish_until_idle(logins.publisher_url, kafka_bootstrap)
 

@@ -33,6 +33,8 @@ class FakeStore(PublisherStore):
         self.later: set[uuid.UUID] = set()
         #: Every decision applied, in order.
         self.decisions: list[Decision] = []
+        #: The last note written on each message (``note_waiting``).
+        self.notes: dict[uuid.UUID, str] = {}
 
     def uncertain_due(
         self, limit: int = 1000, grace: float = 0.0, *, after: int = 0
@@ -50,6 +52,12 @@ class FakeStore(PublisherStore):
         """Every decision applies."""
         self.decisions.extend(decisions)
         return {d.message_id for d in decisions}
+
+    def note_waiting(self, messages: Sequence[UncertainMessage], note: str) -> int:
+        """Every note is kept, by message."""
+        for m in messages:
+            self.notes[m.id] = note
+        return len(messages)
 
 
 #: A scripted record: its offset, key and headers, as kafka-python reads them.
@@ -313,14 +321,17 @@ def test_foreign_id_headers_are_reported_once_per_partition(
 class FakeFencer:
     """Records the transactional.ids it fences; fails those it is told to."""
 
-    def __init__(self, *, failing: Collection[str] = ()) -> None:
+    def __init__(
+        self, *, failing: Collection[str] = (), error: kafka_errors.KafkaError | None = None
+    ) -> None:
         self.fenced: list[str] = []
         self.failing = set(failing)
+        self.error = error or kafka_errors.KafkaTimeoutError("the coordinator did not answer")
 
     def fence(self, transactional_id: str) -> None:
         """Fence, or fail as scripted."""
         if transactional_id in self.failing:
-            raise kafka_errors.KafkaTimeoutError("the coordinator did not answer")
+            raise self.error
         self.fenced.append(transactional_id)
 
 
@@ -356,6 +367,36 @@ def test_a_session_that_cannot_be_fenced_leaves_its_messages_undecided() -> None
     assert report.deferred == [stuck.id]
     assert report.pending == [other.id]
     assert scanner.scans == [(3, 10)]  # only the idempotent message's range
+
+
+def test_the_messages_of_a_session_that_cannot_be_fenced_say_why_they_wait() -> None:
+    """Each message of the unfenced session gets a note naming the session and the error;
+    a message decided in the same pass gets none."""
+    stuck = [replace(_sent_in_transaction("outbox-a-1"), seq=seq) for seq in (1, 2)]
+    other = replace(_uncertain(confirmed=2), seq=3)
+    store = FakeStore([*stuck, other])
+    fencer = FakeFencer(failing={"outbox-a-1"})
+    Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
+    assert set(store.notes) == {m.id for m in stuck}
+    note = store.notes[stuck[0].id]
+    assert note.startswith("reconciliation waits: the producer session outbox-a-1 ")
+    assert "KafkaTimeoutError: the coordinator did not answer" in note
+    assert note.endswith("each reconciliation pass tries again")
+
+
+def test_a_fence_the_broker_refuses_says_which_right_to_grant() -> None:
+    """No TransactionalId ACL: the note says what to grant, on which id."""
+    message = _sent_in_transaction("outbox-b-7")
+    store = FakeStore([message])
+    fencer = FakeFencer(
+        failing={"outbox-b-7"}, error=kafka_errors.TransactionalIdAuthorizationFailedError()
+    )
+    report = Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
+    assert report.deferred == [message.id]
+    note = store.notes[message.id]
+    assert "TransactionalIdAuthorizationFailedError" in note
+    assert "grant the publisher's Kafka principal Write and Describe on TransactionalId" in note
+    assert "outbox-b-7" in note
 
 
 def test_without_a_fencer_a_transactional_message_waits() -> None:
