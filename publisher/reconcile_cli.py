@@ -125,6 +125,8 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
                 f"(proven absent), {len(report.escalated)} escalated, "
                 f"{len(report.deferred)} deferred"
             )
+            for note, count in report.waiting.items():
+                print(f"  {count} of them: {note}")
         with connect(database_url) as conn:
             left = next(
                 line.messages

@@ -77,6 +77,9 @@ class ReconcileReport:
     escalated: list[uuid.UUID] = field(default_factory=list)
     #: Left uncertain for a later pass (a scan that did not finish in time).
     deferred: list[uuid.UUID] = field(default_factory=list)
+    #: Why some of the deferred wait, as their ``last_error`` says it, with how many
+    #: messages each (a session that could not be fenced).
+    waiting: dict[str, int] = field(default_factory=dict)
 
     @property
     def decided(self) -> int:
@@ -433,7 +436,9 @@ class Reconciler:
             finally:
                 self.progress()  # a fence may take seconds: a long pass is not a stuck loop
         for session, note in refused.items():
-            self.store.note_waiting([m for m in due if m.transactional_id == session], note)
+            waiting = [m for m in due if m.transactional_id == session]
+            self.store.note_waiting(waiting, note)
+            report.waiting[note] = len(waiting)
         report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
         return [m for m in due if m.transactional_id not in unfenced]
 

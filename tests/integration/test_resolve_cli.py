@@ -12,15 +12,18 @@ from typing import Any
 
 import psycopg
 import pytest
+from kafka.admin import ACLOperation, ResourceType
 
 import outbox
 from outbox.states import State
 from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
 from tests.support import (
+    allow_again,
     claiming_store,
     create_topic,
     delete_topic,
+    deny,
     fetch_rows,
     make_uncertain,
     make_uncertain_in_transaction,
@@ -329,6 +332,29 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     assert (state, escalated) == ("uncertain", True)
     [decision] = _decisions(database_url)
     assert (decision[0], decision[3]) == (message_id, "uncertain")
+
+
+def test_reconcile_command_says_why_a_session_it_cannot_fence_waits(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """An ACL denies the fence: the command defers the message, prints why and what to
+    grant, and exits 1 with the message still uncertain."""
+    waiting = _enqueue(database_url, topic)
+    session = f"outbox-{uuid.uuid4()}-1"
+    make_uncertain_in_transaction(database_url, session)
+    acl = deny(kafka_bootstrap, ResourceType.TRANSACTIONAL_ID, session, ACLOperation.WRITE)
+    try:
+        result = _reconcile("--kafka-bootstrap", kafka_bootstrap, url=database_url)
+    finally:
+        allow_again(kafka_bootstrap, acl)
+    assert result.returncode == 1, result.stderr
+    assert "0 escalated, 1 deferred" in result.stdout
+    assert (
+        f"  1 of them: reconciliation waits: the producer session {session} that sent it "
+        "could not be fenced ([Error 53] TransactionalIdAuthorizationFailedError); grant "
+    ) in result.stdout
+    assert "1 message(s) still uncertain: see last_error" in result.stdout
+    assert _state(database_url, waiting)[0] == "uncertain"
 
 
 def test_reconcile_command_without_kafka_is_a_usage_error(database_url: str) -> None:

@@ -376,9 +376,10 @@ def test_the_messages_of_a_session_that_cannot_be_fenced_say_why_they_wait() -> 
     other = replace(_uncertain(confirmed=2), seq=3)
     store = FakeStore([*stuck, other])
     fencer = FakeFencer(failing={"outbox-a-1"})
-    Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
+    report = Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
     assert set(store.notes) == {m.id for m in stuck}
     note = store.notes[stuck[0].id]
+    assert report.waiting == {note: 2}
     assert note.startswith("reconciliation waits: the producer session outbox-a-1 ")
     assert "KafkaTimeoutError: the coordinator did not answer" in note
     assert note.endswith("each reconciliation pass tries again")
