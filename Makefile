@@ -17,7 +17,7 @@ help:
 	@echo "make imports        the import contracts (import-linter; see [tool.importlinter] in pyproject.toml)"
 	@echo "make unit           only the tests that need no services"
 	@echo "make demo           an example service writes orders; a publisher delivers them"
-	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers, sinks, status at scale, writer scaling"
+	@echo "make bench          benchmarks: throughput, latency, enqueue cost, growth, publishers, sinks, status at scale, claims at scale, writer scaling"
 	@echo "make soak-freeze    publishers frozen and woken at random points: nothing lost or doubled, keys in order (SOAK_ARGS=...)"
 	@echo "make soak           30 minutes at 2,000 msg/s on three brokers with publisher, broker and PostgreSQL faults; restarts THIS checkout's services (SOAK_ARGS=...)"
 
@@ -70,6 +70,7 @@ bench: venv services
 	$(WITH_SERVICES) $(BIN)/python benchmarks/publishers.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/sinks.py --record
 	$(WITH_SERVICES) PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/status_scale.py
+	$(WITH_SERVICES) $(BIN)/python benchmarks/claim_scale.py
 	$(WITH_SERVICES) $(BIN)/python benchmarks/writer_scaling.py
 
 # Not a test: five to ten minutes per delivery mode. It imports test helpers
