@@ -438,14 +438,16 @@ ORDER BY m.seq
 LIMIT %(limit)s
 
 -- name: note_waiting
--- Say on uncertain messages why their reconciliation waits (their producer
--- session could not be fenced): in last_error, which outbox list and outbox
--- inspect show. The error of the attempt that left each uncertain stays in
--- outbox.attempts. Only a message still undecided at the fence the reconciler
--- read is written, and only when its note changes, so a pass that fails the
--- same way again writes nothing; a row another transaction holds (an
--- operator's decision) is skipped, not waited for.
--- (Rows whose note is already this one are not even locked: a lock is a write.)
+-- Say on uncertain messages why their reconciliation waits (Kafka refused to
+-- let their producer session be fenced): in last_error, which outbox list
+-- and outbox inspect show. With %(note)s NULL (the session is fenced now),
+-- such a note gives way again to the error of the message's last attempt,
+-- which outbox.attempts keeps all along. Only a message still undecided at
+-- the fence the reconciler read is written, and only when its note changes
+-- (rows whose note is already right are not even locked: a lock is a
+-- write), so a pass that fails the same way again writes nothing; a row
+-- another transaction holds (an operator's decision) is skipped, not waited
+-- for.
 WITH changing AS (
     SELECT m.id
     FROM outbox.messages AS m
@@ -453,11 +455,17 @@ WITH changing AS (
     -- Looked up by key, whatever the statistics say (see settle_batch).
     WHERE m.id = ANY(%(ids)s::uuid[]) AND m.fence = w.fence
       AND m.state COLLATE "C" = 'uncertain' AND m.escalated_at IS NULL
-      AND m.last_error IS DISTINCT FROM %(note)s
-    FOR UPDATE OF m SKIP LOCKED
+      AND CASE WHEN %(note)s::text IS NULL
+               THEN m.last_error LIKE 'reconciliation waits: %%'
+               ELSE m.last_error IS DISTINCT FROM %(note)s::text END
+    FOR NO KEY UPDATE OF m SKIP LOCKED
 )
 UPDATE outbox.messages AS m
-SET last_error = %(note)s,
+SET last_error = coalesce(%(note)s::text, (SELECT a.error
+                                          FROM outbox.attempts AS a
+                                          WHERE a.message_id = m.id
+                                          ORDER BY a.attempt DESC
+                                          LIMIT 1)),
     updated_at = now()
 FROM changing AS c
 WHERE m.id = ANY(%(ids)s::uuid[]) AND m.id = c.id

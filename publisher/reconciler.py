@@ -31,8 +31,10 @@ transactional.id its batch was sent under is fenced (``publisher.fencing``),
 so that session's open transaction is aborted or its commit completed and it
 can write nothing more; then the partition is read up to the end offset seen
 after the fence. Found: ``delivered``; absent: never committed, ``pending``. A
-session that cannot be fenced now (the broker is away) leaves its messages
-uncertain for a later pass.
+session that cannot be fenced now (the broker is away, or refuses the
+publisher that transactional.id) leaves its messages uncertain for a later
+pass; when the broker refused, their ``last_error`` says why until the fence
+succeeds.
 
 Every range is read read_committed, in both delivery modes: a record of an
 aborted transaction was never delivered to the consumers that matter, so it is
@@ -75,10 +77,11 @@ class ReconcileReport:
     delivered: list[uuid.UUID] = field(default_factory=list)
     pending: list[uuid.UUID] = field(default_factory=list)
     escalated: list[uuid.UUID] = field(default_factory=list)
-    #: Left uncertain for a later pass (a scan that did not finish in time).
+    #: Left uncertain for a later pass (a scan that did not finish in time, a range
+    #: not readable now, a session that could not be fenced).
     deferred: list[uuid.UUID] = field(default_factory=list)
     #: Why some of the deferred wait, as their ``last_error`` says it, with how many
-    #: messages each (a session that could not be fenced).
+    #: messages each (a session Kafka would not let be fenced).
     waiting: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -200,10 +203,14 @@ class _Unread:
 
 
 def fence_refused_note(transactional_id: str, error: BaseException) -> str:
-    """What an uncertain message says (its ``last_error``) while the session it was sent
-    under cannot be fenced: the error, and what to do about it."""
-    name, text = type(error).__name__, str(error)
-    cause = text if name in text else f"{name}: {text}"  # kafka-python's errors name themselves
+    """What an uncertain message says (its ``last_error``) while Kafka will not let the
+    session it was sent under be fenced: the kind of error, and what to do about it.
+
+    Only the error's class: its text can change from pass to pass (a broker's
+    address, a timeout), and each change would write every waiting message
+    again. The publisher's log has the whole error.
+    """
+    cause = type(error).__name__
     if isinstance(error, kafka_errors.TransactionalIdAuthorizationFailedError):
         action = (
             f"grant the publisher's Kafka principal Write and Describe on TransactionalId "
@@ -405,12 +412,17 @@ class Reconciler:
     ) -> list[UncertainMessage]:
         """Fence the sessions the due messages were sent under; defer those it could not.
 
-        The messages of a session whose fence failed say why in their
-        ``last_error`` (``fence_refused_note``), so that an operator sees what
-        keeps them uncertain without the publisher's logs.
+        The messages of a session whose fence the broker refused or failed say
+        why in their ``last_error`` (``fence_refused_note``), so that an
+        operator sees what keeps them uncertain without the publisher's logs;
+        once fenced, they say their last attempt's error again. Kafka out of
+        reach is no news about a session (the status view and the publisher's
+        health say it): no note, and when no due message is left, the pass
+        fails with that error, as a pass whose every read failed does.
         """
         unfenced: set[str] = set()
-        refused: dict[str, str] = {}
+        notes: dict[str, str | None] = {}  # by session: its note, or None to clear one
+        unreachable: BaseException | None = None
         sessions = sorted({m.transactional_id for m in due if m.transactional_id})
         for index, transactional_id in enumerate(sessions):
             if transactional_id in self._fenced:
@@ -424,23 +436,29 @@ class Reconciler:
             except Exception as exc:  # noqa: BLE001 - retried next pass; nothing is decided
                 log.warning("could not fence %s, its messages wait: %s", transactional_id, exc)
                 unfenced.add(transactional_id)
-                refused[transactional_id] = fence_refused_note(transactional_id, exc)
                 if is_unreachable(exc):
                     # No broker answered: each other session would wait out the
                     # same timeouts, holding the loop. They wait for a later pass.
+                    unreachable = exc
                     unfenced.update(s for s in sessions[index + 1 :] if s not in self._fenced)
                     break
+                notes[transactional_id] = fence_refused_note(transactional_id, exc)
             else:
                 log.info("fenced producer session %s before deciding its batch", transactional_id)
                 self._fenced.add(transactional_id)
+                notes[transactional_id] = None
             finally:
                 self.progress()  # a fence may take seconds: a long pass is not a stuck loop
-        for session, note in refused.items():
-            waiting = [m for m in due if m.transactional_id == session]
-            self.store.note_waiting(waiting, note)
-            report.waiting[note] = len(waiting)
+        for session, note in notes.items():
+            of_session = [m for m in due if m.transactional_id == session]
+            self.store.note_waiting(of_session, note)
+            if note is not None:
+                report.waiting[note] = len(of_session)
         report.deferred.extend(m.id for m in due if m.transactional_id in unfenced)
-        return [m for m in due if m.transactional_id not in unfenced]
+        left = [m for m in due if m.transactional_id not in unfenced]
+        if not left and isinstance(unreachable, KafkaError):
+            raise unreachable
+        return left
 
     def _range_of(self, message: UncertainMessage, topic: str, partition: int, end: int) -> _Range:
         """The message's range as read so far, its bound taken now if it is due.

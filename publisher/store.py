@@ -395,9 +395,10 @@ class PublisherStore:
         ).fetchall()
         return [UncertainMessage(*row) for row in rows]
 
-    def note_waiting(self, messages: Sequence[UncertainMessage], note: str) -> int:
+    def note_waiting(self, messages: Sequence[UncertainMessage], note: str | None) -> int:
         """Write ``note`` as the ``last_error`` of those of ``messages`` still uncertain at
-        the fence read, and not escalated; return how many rows changed."""
+        the fence read, and not escalated; with ``None``, give such a note way to the
+        last attempt's error again. Return how many rows changed."""
         if not messages:
             return 0
         cursor = self.conn.execute(

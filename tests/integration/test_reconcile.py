@@ -729,6 +729,15 @@ def test_a_session_the_broker_will_not_let_be_fenced_says_so_on_its_messages(
             database_url, "SELECT updated_at FROM outbox.messages WHERE id = %s", message
         )
         assert updated_at == written_at
+        # Once a fence succeeds, the reconciler takes its note back: the attempt's error.
+        store = claiming_store(database_url)
+        try:
+            due = store.uncertain_due()
+            assert store.note_waiting(due, None) == 1
+            assert store.note_waiting(due, None) == 0  # no note left to take back
+        finally:
+            store.close()
+        assert _message(database_url, message)[-1] == attempt_error
     finally:
         allow_again(kafka_bootstrap, acl)
 

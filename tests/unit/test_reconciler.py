@@ -53,10 +53,13 @@ class FakeStore(PublisherStore):
         self.decisions.extend(decisions)
         return {d.message_id for d in decisions}
 
-    def note_waiting(self, messages: Sequence[UncertainMessage], note: str) -> int:
-        """Every note is kept, by message."""
+    def note_waiting(self, messages: Sequence[UncertainMessage], note: str | None) -> int:
+        """Every note is kept, by message; ``None`` removes a message's note."""
         for m in messages:
-            self.notes[m.id] = note
+            if note is None:
+                self.notes.pop(m.id, None)
+            else:
+                self.notes[m.id] = note
         return len(messages)
 
 
@@ -370,19 +373,50 @@ def test_a_session_that_cannot_be_fenced_leaves_its_messages_undecided() -> None
 
 
 def test_the_messages_of_a_session_that_cannot_be_fenced_say_why_they_wait() -> None:
-    """Each message of the unfenced session gets a note naming the session and the error;
-    a message decided in the same pass gets none."""
+    """The broker answers the fence with an error: each message of that session gets a
+    note naming the session and the kind of error; a message decided in the same pass
+    gets none. Once the fence succeeds, the note is taken back."""
     stuck = [replace(_sent_in_transaction("outbox-a-1"), seq=seq) for seq in (1, 2)]
     other = replace(_uncertain(confirmed=2), seq=3)
     store = FakeStore([*stuck, other])
-    fencer = FakeFencer(failing={"outbox-a-1"})
-    report = Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
+    fencer = FakeFencer(
+        failing={"outbox-a-1"}, error=kafka_errors.CoordinatorNotAvailableError("loading")
+    )
+    scanner = FakeScanner(records=[], stable=6)  # the fenced messages stay undecided
+    reconciler = Reconciler(store, scanner, "test", fencer=fencer)
+    report = reconciler.run_once()
     assert set(store.notes) == {m.id for m in stuck}
     note = store.notes[stuck[0].id]
     assert report.waiting == {note: 2}
-    assert note.startswith("reconciliation waits: the producer session outbox-a-1 ")
-    assert "KafkaTimeoutError: the coordinator did not answer" in note
-    assert note.endswith("each reconciliation pass tries again")
+    assert note == (
+        "reconciliation waits: the producer session outbox-a-1 that sent it could not be "
+        "fenced (CoordinatorNotAvailableError); each reconciliation pass tries again"
+    )
+
+    fencer.failing.clear()
+    again = reconciler.run_once()
+    assert fencer.fenced == ["outbox-a-1"]
+    assert {m.id for m in stuck} <= set(again.deferred)  # read up to the stable end only
+    assert again.waiting == {}
+    assert store.notes == {}
+
+
+def test_a_session_out_of_reach_gets_no_note_and_fails_a_pass_left_with_nothing() -> None:
+    """Kafka out of reach says nothing about the session: no note. When that leaves the
+    pass nothing to decide, the pass fails with the error (the loop counts Kafka as
+    unavailable); with other messages left, it goes on with them."""
+    stuck = _sent_in_transaction("outbox-a-1")
+    store = FakeStore([stuck])
+    fencer = FakeFencer(failing={"outbox-a-1"})  # KafkaTimeoutError
+    with pytest.raises(kafka_errors.KafkaTimeoutError):
+        Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
+    assert store.notes == {}
+
+    other = replace(_uncertain(confirmed=2), seq=3)
+    store = FakeStore([stuck, other])
+    report = Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
+    assert (report.deferred, report.pending, report.waiting) == ([stuck.id], [other.id], {})
+    assert store.notes == {}
 
 
 def test_a_fence_the_broker_refuses_says_which_right_to_grant() -> None:
@@ -395,9 +429,8 @@ def test_a_fence_the_broker_refuses_says_which_right_to_grant() -> None:
     report = Reconciler(store, FakeScanner(records=[]), "test", fencer=fencer).run_once()
     assert report.deferred == [message.id]
     note = store.notes[message.id]
-    assert "TransactionalIdAuthorizationFailedError" in note
-    assert "grant the publisher's Kafka principal Write and Describe on TransactionalId" in note
-    assert "outbox-b-7" in note
+    assert "(TransactionalIdAuthorizationFailedError); grant the publisher's Kafka " in note
+    assert "Write and Describe on TransactionalId outbox-b-7 (the prefix outbox-" in note
 
 
 def test_without_a_fencer_a_transactional_message_waits() -> None:
@@ -440,7 +473,8 @@ def test_a_page_of_messages_that_wait_does_not_keep_the_next_page_waiting() -> N
     stuck = [replace(_sent_in_transaction("outbox-a-1"), seq=seq) for seq in (1, 2)]
     other = replace(_uncertain(confirmed=2), seq=3)
     scanner = FakeScanner(records=[])
-    fencer = FakeFencer(failing={"outbox-a-1"})
+    # The broker answers, with an error: a page whose messages all wait, not Kafka away.
+    fencer = FakeFencer(failing={"outbox-a-1"}, error=kafka_errors.CoordinatorNotAvailableError())
     store = FakeStore([*stuck, other])
     reconciler = Reconciler(store, scanner, "test", fencer=fencer, limit=2)
 
@@ -709,9 +743,10 @@ def test_when_no_broker_answers_a_fence_the_other_sessions_wait_for_a_later_pass
     tried turns the loop's progress clock."""
     first = replace(_sent_in_transaction("outbox-a-1"), seq=1)
     second = replace(_sent_in_transaction("outbox-b-1"), seq=2)
+    other = replace(_uncertain(confirmed=2), seq=3)  # so that the pass has one to decide
     fencer = FakeFencer(failing={"outbox-a-1"})
     reconciler = Reconciler(
-        FakeStore([first, second]), FakeScanner(records=[]), "test", fencer=fencer
+        FakeStore([first, second, other]), FakeScanner(records=[]), "test", fencer=fencer
     )
     turns: list[None] = []
     reconciler.progress = lambda: turns.append(None)
@@ -719,8 +754,9 @@ def test_when_no_broker_answers_a_fence_the_other_sessions_wait_for_a_later_pass
     report = reconciler.run_once()
 
     assert report.deferred == [first.id, second.id]
+    assert report.pending == [other.id]
     assert fencer.fenced == []
-    assert len(turns) == 1
+    assert len(turns) == 2  # the fence tried, and the partition decided
 
 
 def test_what_a_cycle_of_pages_no_longer_sees_is_forgotten() -> None:
