@@ -6,8 +6,8 @@ that keeps the old leader in its metadata is answered NOT_LEADER by a broker
 that is alive and well.
 
 The cluster is ``OUTBOX_KAFKA_CLUSTER_BOOTSTRAP`` when set (three brokers or
-more), or the checkout's own services when ``services/up`` runs them as three
-brokers (``OUTBOX_KAFKA_BROKERS=3``). Otherwise, when the single broker is
+more), or the services' own Kafka when it has three brokers or more
+(``services/up`` with ``OUTBOX_KAFKA_BROKERS=3``). Otherwise, when the single broker is
 this checkout's ``services/up``, the module starts a cluster of its own with
 a copy of the ``services/`` scripts in a temporary directory (its ports
 ``OUTBOX_KAFKA_PORT`` + 200 to + 208, its data apart from the checkout's),
@@ -81,13 +81,18 @@ def _own_cluster(tmp: Path, single_bootstrap: str) -> tuple[str, dict[str, str]]
     return ",".join(f"127.0.0.1:{port + 3 * n}" for n in range(3)), env
 
 
-def _checkout_brokers() -> int:
-    """How many brokers the checkout's ``services/up`` last started (0: none)."""
-    shape = SERVICES.parent / ".services" / "kafka.brokers"
+def _brokers(bootstrap: str) -> int:
+    """How many brokers the cluster at ``bootstrap`` has (0 if it cannot be asked)."""
     try:
-        return int(shape.read_text().strip())
-    except (OSError, ValueError):
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
+    except KafkaError:
         return 0
+    try:
+        return len(admin.describe_cluster()["brokers"])
+    except KafkaError:
+        return 0
+    finally:
+        admin.close()
 
 
 def _stop_cluster(tmp: Path, env: dict[str, str]) -> None:
@@ -124,8 +129,8 @@ def cluster(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Ite
     if given:
         yield Cluster(given)
         return
-    if _checkout_brokers() >= 3:
-        # The checkout's services are a cluster already (OUTBOX_KAFKA_BROKERS=3).
+    if _brokers(services.kafka_bootstrap) >= 3:
+        # The services are a cluster already (services/up with OUTBOX_KAFKA_BROKERS=3).
         yield Cluster(services.kafka_bootstrap)
         return
     if not local_services_running():
