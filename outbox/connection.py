@@ -220,10 +220,12 @@ def executor_for(conn: object) -> Executor:
     if isinstance(conn, psycopg.Connection):
         if conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # In pipeline mode the transaction's status is known only at a sync point.
-            # A statement of the caller's that failed meanwhile raises here: the
-            # status then says the transaction failed, as the check reports.
-            with suppress(psycopg.Error), conn.pipeline() as pipeline:
-                pipeline.sync()
+            # A statement of the caller's that failed meanwhile raises here.
+            try:
+                with conn.pipeline() as pipeline:
+                    pipeline.sync()
+            except psycopg.Error as exc:
+                _failed_in_pipeline(conn, exc)
         _check_transaction(conn)
         return PsycopgExecutor(conn)
     if isinstance(conn, psycopg.AsyncConnection):
@@ -237,9 +239,11 @@ async def async_executor_for(conn: object) -> AsyncExecutor:
     """Return an executor for the async ``conn`` after checking its transaction."""
     if isinstance(conn, psycopg.AsyncConnection):
         if conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            with suppress(psycopg.Error):
+            try:
                 async with conn.pipeline() as pipeline:
                     await pipeline.sync()
+            except psycopg.Error as exc:
+                _failed_in_pipeline(conn, exc)
         _check_transaction(conn)
         return AsyncPsycopgExecutor(conn)
     if isinstance(conn, psycopg.Connection):
@@ -347,12 +351,28 @@ def _unsupported(conn: object) -> ConnectionNotSupported:
     )
 
 
+_ABORTED = "the transaction has already failed; roll it back before enqueuing"
+
+
+def _failed_in_pipeline(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], error: psycopg.Error
+) -> None:
+    """A statement of the caller's failed in pipeline mode (its error came with the sync).
+
+    Outside autocommit every statement runs in the caller's transaction, which
+    the failure aborted: say so now. libpq may not have read the server's new
+    transaction status yet when the sync returns, so the status is no proof.
+    In autocommit the failed statement may have been a transaction of its own:
+    the status check decides.
+    """
+    if not conn.autocommit:
+        raise TransactionAborted(_ABORTED) from error
+
+
 def _check_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
     status = conn.info.transaction_status
     if status == TransactionStatus.INERROR:
-        raise TransactionAborted(
-            "the transaction has already failed; roll it back before enqueuing"
-        )
+        raise TransactionAborted(_ABORTED)
     if conn.autocommit and status == TransactionStatus.IDLE:
         raise NoOpenTransaction(
             "the connection is in autocommit mode with no transaction open, so the intent "
