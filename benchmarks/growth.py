@@ -147,7 +147,9 @@ def explain_claim(url: str, batch_size: int) -> tuple[str, str]:
             "\n".join(
                 r[0]
                 for r in conn.execute(
-                    "EXPLAIN (ANALYZE, BUFFERS) " + claim_statement(ahead=ahead), params
+                    "EXPLAIN (ANALYZE, BUFFERS) "
+                    + claim_statement(limit=batch_size, horizon=2 * batch_size if ahead else None),
+                    params,
                 ).fetchall()
             )
             for ahead in (False, True)

@@ -111,7 +111,9 @@ messages = sa.Table(
         "cardinality(header_names) = cardinality(header_values)",
         name="messages_headers_paired",
     ),
-    sa.Index("messages_claimable", "seq", postgresql_where=sa.text("state = 'pending'")),
+    sa.Index(
+        "messages_claimable_by_lane", "lane", "seq", postgresql_where=sa.text("state = 'pending'")
+    ),
     sa.Index(
         "messages_batch",
         "batch_id",

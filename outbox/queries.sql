@@ -60,11 +60,21 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- lanes go on). The lease is the batch's, renewed by the
 -- heartbeat. The fence and attempt returned are those of this attempt: the
 -- settle writes them.
+-- {limit} is the most messages claimed, written into the statement (an
+-- integer, not a parameter): the publisher prepares the claim, and with the
+-- limit known, the generic plan PostgreSQL keeps for a prepared statement
+-- after five runs is the plan for that limit (see PublisherStore.conn).
+-- {claimable} is this publisher's claimable messages, oldest first: one
+-- branch per lane (claimable_in_lane), each read in seq order through
+-- messages_claimable_by_lane, merged (a Merge Append). A branch of a lane
+-- not in mine reads nothing, so a claim reads about as many entries as it
+-- takes (plus one per lane), whatever waits in other publishers' lanes.
 -- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
--- a bound on the candidates: only the oldest few pending messages are looked
--- at, so a claim-ahead whose keys are all in flight gives up after a few
--- index probes instead of reading the whole backlog. An ordinary claim has
--- no bound, so a long queue behind one held key never hides other keys.
+-- a bound on the candidates (claim_horizon): only the oldest few pending
+-- messages are looked at, so a claim-ahead whose keys are all in flight gives
+-- up after a few index probes instead of reading the whole backlog. An
+-- ordinary claim has no bound, so a long queue behind one held key never
+-- hides other keys.
 -- A suspect message (send_alone: its last batch was recovered, or refused
 -- together with other records) is claimed only alone: when it is the oldest
 -- candidate the batch is just it; otherwise the batch ends before it. So a
@@ -83,27 +93,16 @@ WITH mine AS MATERIALIZED (
     WHERE pg_try_advisory_xact_lock_shared('outbox.lanes'::regclass::oid::integer, lane)
 ), open AS MATERIALIZED (
     SELECT message_ids, key_hashes FROM outbox.batches WHERE settled_at IS NULL
-), candidates AS (
-    SELECT m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values, m.fence,
-           m.attempts, m.failures, m.send_alone, m.created_at, m.key_hash
-    FROM outbox.messages AS m
-    WHERE m.state = 'pending' AND m.available_at <= now()
-      AND m.lane IN (SELECT lane FROM mine)
-      {horizon}
-      AND m.id NOT IN (SELECT unnest(message_ids) FROM open)
-      AND (m.key IS NULL OR (
-          m.key_hash NOT IN (SELECT unnest(key_hashes) FROM open)
-          AND NOT EXISTS (
-              SELECT 1
-              FROM outbox.messages AS e
-              WHERE e.key_hash = m.key_hash AND e.seq < m.seq
-                AND e.key IS NOT NULL
-                AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
-                     OR (e.state = 'pending' AND e.failures > 0))
-                AND e.topic = m.topic AND e.key = m.key
-                AND NOT (e.state = 'pending' AND e.available_at <= now()))))
+), in_open_batches AS MATERIALIZED (
+    SELECT coalesce((SELECT array_agg(i.id) FROM open, unnest(open.message_ids) AS i(id)),
+                    '{{}}') AS ids,
+           coalesce((SELECT array_agg(k.key_hash)
+                     FROM open, unnest(open.key_hashes) AS k(key_hash)), '{{}}') AS key_hashes
+){horizon}, candidates AS (
+    SELECT m.*
+    FROM ({claimable}) AS m
     ORDER BY m.seq
-    LIMIT %(limit)s
+    LIMIT {limit}
 ), cut AS (
     SELECT min(seq) AS first_seq, min(seq) FILTER (WHERE send_alone) AS suspect_seq
     FROM candidates
@@ -125,6 +124,72 @@ SELECT n.id, n.topic, n.key, n.value, n.header_names, n.header_values, n.fence +
        n.attempts + 1, n.failures, n.send_alone, b.id, b.claimed_at, n.created_at
 FROM next AS n CROSS JOIN batch AS b
 ORDER BY n.seq
+
+-- name: claimable_in_lane
+-- One branch of claim_batch's {claimable}: the messages of lane {lane} that
+-- nothing but an open batch may hold back, oldest first, if this publisher
+-- holds that lane (mine); otherwise nothing is read (a one-time filter). Read
+-- through messages_claimable_by_lane in seq order and tested in the branch,
+-- the branch limited to what the claim takes: each branch is planned on its
+-- own, and without a limit of its own it would be planned to read its whole
+-- lane (a bitmap scan and a sort, ten times slower than the walk a claim
+-- needs). What the open batches hold is tested against two arrays read once
+-- (in_open_batches): an unkeyed message by its id, a keyed one by its key
+-- (a keyed message in flight has its key in flight), before the probe for
+-- blockers. A NOT IN in each branch would hash the open batches once per
+-- lane, 32 times per claim (55 against 9 ms for a claim made ahead while
+-- 1,000 messages were in flight). {bound} is claim_horizon's bound (a claim
+-- made ahead) or empty.
+(SELECT m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values, m.fence,
+        m.attempts, m.failures, m.send_alone, m.created_at, m.key_hash
+ FROM outbox.messages AS m
+ WHERE m.state = 'pending' AND m.lane = {lane} AND {lane} IN (SELECT lane FROM mine)
+   AND m.available_at <= now()
+   {bound}
+   AND (m.key IS NOT NULL OR m.id <> ALL ((SELECT ids FROM in_open_batches)::uuid[]))
+   AND (m.key IS NULL OR (
+       m.key_hash <> ALL ((SELECT key_hashes FROM in_open_batches)::bigint[])
+       AND NOT EXISTS (
+           SELECT 1
+           FROM outbox.messages AS e
+           WHERE e.key_hash = m.key_hash AND e.seq < m.seq
+             AND e.key IS NOT NULL
+             AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
+                  OR (e.state = 'pending' AND e.failures > 0))
+             AND e.topic = m.topic AND e.key = m.key
+             AND NOT (e.state = 'pending' AND e.available_at <= now()))))
+ ORDER BY m.seq
+ LIMIT {limit})
+
+-- name: claim_horizon
+-- claim_batch's {horizon} for a claim made ahead: the seq of the last of the
+-- oldest {size} messages of this publisher's lanes that are pending, due
+-- and not in flight ({due}: one due_in_lane branch per lane, merged). Each
+-- claimable_in_lane branch is then bounded by it ({bound}).
+, horizon AS MATERIALIZED (
+    SELECT max(w.seq) AS seq
+    FROM (SELECT d.seq FROM ({due}) AS d
+          WHERE d.id NOT IN (SELECT unnest(message_ids) FROM open)
+          ORDER BY d.seq LIMIT {size}) AS w
+)
+
+-- name: horizon_bound
+-- claimable_in_lane's {bound} in a claim made ahead.
+AND m.seq <= (SELECT seq FROM horizon)
+
+-- name: due_in_lane
+-- One branch of claim_horizon's {due}: as claimable_in_lane, without the
+-- test of the key. What is in flight is tested after the merge, so each
+-- branch reads {reach} messages: the horizon's size and one batch (the one a
+-- claim ahead is made ahead of). Should a lane hold more in flight than that
+-- at its head, the horizon comes out later than it would: a looser bound,
+-- never a message claimed out of turn.
+(SELECT m.seq, m.id
+ FROM outbox.messages AS m
+ WHERE m.state = 'pending' AND m.lane = {lane} AND {lane} IN (SELECT lane FROM mine)
+   AND m.available_at <= now()
+ ORDER BY m.seq
+ LIMIT {reach})
 
 -- name: lock_batch
 -- First half of marking a batch as sending: wait for anyone (recovery) that

@@ -13,6 +13,7 @@ its batch is open a message is in flight (``outbox.message_status``).
 
 from __future__ import annotations
 
+import functools
 import socket
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -164,10 +165,16 @@ class PublisherStore:
     def conn(self) -> psycopg.Connection[Any]:
         """The open connection, reopened if it was closed or broken.
 
-        Statements are not prepared server-side: the batch statements take
-        arrays whose length the planner must see, and the generic plan
-        PostgreSQL switches a prepared statement to after five runs made a
-        1,000-row settle about ten times slower.
+        Statements are not prepared server-side, except the claim: the batch
+        statements take arrays whose length the planner must see, and the
+        generic plan PostgreSQL switches a prepared statement to after five
+        runs made a 1,000-row settle about ten times slower. The claim is
+        the exception: planning its branch per lane (10 to 25 ms) costs more
+        than running it (a few milliseconds), and it takes no array. It is
+        prepared, with its limits written into its text: PostgreSQL plans
+        its first five runs with their values, then keeps the generic plan,
+        the same merge of the lanes (tests/integration/test_claim_lanes.py
+        reads through both).
 
         JIT compilation is off: the claim's estimated cost is far above
         ``jit_above_cost`` (the hold check is estimated per candidate), so
@@ -180,7 +187,9 @@ class PublisherStore:
                 autocommit=True,
                 row_factory=tuple_row,
                 application_name=f"outbox-publisher {self.publisher_id}",
-                prepare_threshold=None,
+                # Never prepared by count; the claim asks for it (prepare=True),
+                # which a threshold of None would refuse.
+                prepare_threshold=_NEVER_BY_COUNT,
             )
             conn.execute("SET jit = off")
             self._conn = conn
@@ -259,7 +268,7 @@ class PublisherStore:
         candidates (a claim made ahead, which may well find every key busy).
         """
         rows = self.conn.execute(
-            claim_statement(ahead=horizon is not None, template=self._sql("claim_batch")),
+            claim_statement(limit=limit, horizon=horizon, template=self._sql("claim_batch")),
             {
                 "limit": limit,
                 "owner": self.publisher_id,
@@ -267,6 +276,7 @@ class PublisherStore:
                 "horizon": horizon,
             },
             binary=True,
+            prepare=True,
         ).fetchall()
         if not rows:
             return None
@@ -448,12 +458,13 @@ class PublisherStore:
         return None if row is None or row[0] is None else float(row[0])
 
 
-#: The bound a claim-ahead puts on its candidates (see claim_batch).
-_HORIZON = """AND m.seq <= (SELECT max(w.seq) FROM (
-          SELECT seq FROM outbox.messages
-          WHERE state = 'pending' AND available_at <= now() AND lane IN (SELECT lane FROM mine)
-            AND id NOT IN (SELECT unnest(message_ids) FROM open)
-          ORDER BY seq LIMIT %(horizon)s) AS w)"""
+#: psycopg's prepare_threshold for the store's connection: statements are
+#: prepared only when asked to (see PublisherStore.conn).
+_NEVER_BY_COUNT = 2**31 - 1
+
+#: The number of lanes: a message's lane is a hash of its key (or id) modulo
+#: 32, and outbox.lanes holds lanes 0 to 31 (schema/0004_lanes.sql).
+LANES = 32
 
 
 def _delivered_locations(
@@ -478,9 +489,33 @@ def _delivered_locations(
     return partitions, offsets
 
 
-def claim_statement(*, ahead: bool, template: str | None = None) -> str:
-    """The claim's SQL (``claim_batch`` or ``template``); ``ahead`` bounds it by ``horizon``."""
-    return (template or query("claim_batch")).format(horizon=_HORIZON if ahead else "")
+@functools.cache
+def claim_statement(*, limit: int, horizon: int | None = None, template: str | None = None) -> str:
+    """The claim's SQL (``claim_batch`` or ``template``) for up to ``limit`` messages.
+
+    ``{claimable}`` becomes one ordered branch per lane (``claimable_in_lane``),
+    which the planner merges in ``seq`` order. With ``horizon`` (a claim made
+    ahead) only the oldest ``horizon`` due messages are candidates
+    (``claim_horizon``, merged from ``due_in_lane`` branches), and each branch
+    is bounded by it. The limits are written into the text (see claim_batch).
+    """
+    if limit < 1 or (horizon is not None and horizon < 1):
+        raise ValueError(f"a claim needs limits of at least 1, got {limit} and {horizon}")
+    bound = query("horizon_bound") if horizon is not None else ""
+    claimable = "\nUNION ALL\n".join(
+        query("claimable_in_lane").format(lane=lane, bound=bound, limit=int(limit))
+        for lane in range(LANES)
+    )
+    horizon_cte = ""
+    if horizon is not None:
+        due = "\nUNION ALL\n".join(
+            query("due_in_lane").format(lane=lane, reach=int(horizon) + int(limit))
+            for lane in range(LANES)
+        )
+        horizon_cte = query("claim_horizon").format(due=due, size=int(horizon))
+    return (template or query("claim_batch")).format(
+        claimable=claimable, horizon=horizon_cte, limit=int(limit)
+    )
 
 
 def array_literal(values: Iterable[object]) -> str:

@@ -201,8 +201,10 @@ def _change_generated_column(conn: psycopg.Connection[Any]) -> None:
 
 
 def _change_partial_index(conn: psycopg.Connection[Any]) -> None:
-    conn.execute("DROP INDEX outbox.messages_claimable")
-    conn.execute("CREATE INDEX messages_claimable ON outbox.messages (seq) WHERE state <> 'x'")
+    conn.execute("DROP INDEX outbox.messages_claimable_by_lane")
+    conn.execute(
+        "CREATE INDEX messages_claimable_by_lane ON outbox.messages (lane, seq) WHERE state <> 'x'"
+    )
 
 
 def _change_check_constraint(conn: psycopg.Connection[Any]) -> None:

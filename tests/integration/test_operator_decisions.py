@@ -116,7 +116,7 @@ def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
     try:
         with psycopg.connect(database_url) as claiming:
             claimed = claiming.execute(
-                claim_statement(ahead=False),
+                claim_statement(limit=10),
                 {
                     "limit": 10,
                     "owner": store.publisher_id,
