@@ -130,12 +130,6 @@ def explain_claim(url: str, batch_size: int) -> tuple[str, str]:
     """The claim's plan as the publisher runs it: the first claim of the backlog, and the
     next one while that first batch is still in flight. Nothing is kept (rolled back)."""
     owner = uuid.uuid4()
-    params = {
-        "owner": owner,
-        "limit": batch_size,
-        "lease_seconds": 60.0,
-        "horizon": 2 * batch_size,
-    }
     with psycopg.connect(url) as conn:
         conn.execute("SET LOCAL jit = off")
         conn.execute(
@@ -148,8 +142,12 @@ def explain_claim(url: str, batch_size: int) -> tuple[str, str]:
                 r[0]
                 for r in conn.execute(
                     "EXPLAIN (ANALYZE, BUFFERS) "
-                    + claim_statement(limit=batch_size, horizon=2 * batch_size if ahead else None),
-                    params,
+                    + claim_statement(
+                        owner=owner,
+                        lease_seconds=60.0,
+                        limit=batch_size,
+                        horizon=2 * batch_size if ahead else None,
+                    )
                 ).fetchall()
             )
             for ahead in (False, True)

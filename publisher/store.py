@@ -14,6 +14,7 @@ its batch is open a message is in flight (``outbox.message_status``).
 from __future__ import annotations
 
 import functools
+import math
 import socket
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -171,10 +172,11 @@ class PublisherStore:
         runs made a 1,000-row settle about ten times slower. The claim is
         the exception: planning its branch per lane (10 to 25 ms) costs more
         than running it (a few milliseconds), and it takes no array. It is
-        prepared, with its limits written into its text: PostgreSQL plans
-        its first five runs with their values, then keeps the generic plan,
-        the same merge of the lanes (tests/integration/test_claim_lanes.py
-        reads through both).
+        prepared and takes no parameters (claim_statement writes its values
+        into its text), so PostgreSQL plans it once, at its first run on the
+        connection, and reuses that plan: with parameters it would plan each
+        of the first five runs anew. The plan cannot depend on a value it
+        was not given (the lanes owned are read by the statement itself).
 
         JIT compilation is off: the claim's estimated cost is far above
         ``jit_above_cost`` (the hold check is estimated per candidate), so
@@ -268,7 +270,15 @@ class PublisherStore:
         candidates (a claim made ahead, which may well find every key busy).
         """
         rows = self.conn.execute(
-            claim_statement(limit=limit, horizon=horizon, template=self._sql("claim_batch")),
+            claim_statement(
+                owner=self.publisher_id,
+                lease_seconds=lease_seconds,
+                limit=limit,
+                horizon=horizon,
+                template=self._sql("claim_batch"),
+            ),
+            # Used only by a claim_batch given to the store that still takes
+            # parameters (benchmarks/baseline_cycle.sql).
             {
                 "limit": limit,
                 "owner": self.publisher_id,
@@ -489,18 +499,29 @@ def _delivered_locations(
     return partitions, offsets
 
 
-@functools.cache
-def claim_statement(*, limit: int, horizon: int | None = None, template: str | None = None) -> str:
-    """The claim's SQL (``claim_batch`` or ``template``) for up to ``limit`` messages.
+@functools.lru_cache(maxsize=64)
+def claim_statement(
+    *,
+    owner: uuid.UUID,
+    lease_seconds: float,
+    limit: int,
+    horizon: int | None = None,
+    template: str | None = None,
+) -> str:
+    """The claim's SQL (``claim_batch`` or ``template``): ``owner`` leases up to ``limit``
+    messages for ``lease_seconds``.
 
     ``{claimable}`` becomes one ordered branch per lane (``claimable_in_lane``),
     which the planner merges in ``seq`` order. With ``horizon`` (a claim made
     ahead) only the oldest ``horizon`` due messages are candidates
     (``claim_horizon``, merged from ``due_in_lane`` branches), and each branch
-    is bounded by it. The limits are written into the text (see claim_batch).
+    is bounded by it. Every value is written into the text, so the statement
+    takes no parameters (see claim_batch).
     """
     if limit < 1 or (horizon is not None and horizon < 1):
         raise ValueError(f"a claim needs limits of at least 1, got {limit} and {horizon}")
+    if not math.isfinite(lease_seconds) or lease_seconds <= 0:
+        raise ValueError(f"a claim needs a lease of more than 0 seconds, got {lease_seconds}")
     bound = query("horizon_bound") if horizon is not None else ""
     claimable = "\nUNION ALL\n".join(
         query("claimable_in_lane").format(lane=lane, bound=bound, limit=int(limit))
@@ -514,7 +535,12 @@ def claim_statement(*, limit: int, horizon: int | None = None, template: str | N
         )
         horizon_cte = query("claim_horizon").format(due=due, size=int(horizon))
     return (template or query("claim_batch")).format(
-        claimable=claimable, horizon=horizon_cte, limit=int(limit)
+        claimable=claimable,
+        horizon=horizon_cte,
+        limit=int(limit),
+        # Literals of types Python checked: a UUID's and a finite float's text.
+        owner=f"'{uuid.UUID(str(owner))}'::uuid",
+        lease_seconds=f"{float(lease_seconds)!r}::float8",
     )
 
 

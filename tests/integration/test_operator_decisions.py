@@ -116,13 +116,7 @@ def test_a_decision_waits_for_a_claim_in_progress_and_sees_what_it_claimed(
     try:
         with psycopg.connect(database_url) as claiming:
             claimed = claiming.execute(
-                claim_statement(limit=10),
-                {
-                    "limit": 10,
-                    "owner": store.publisher_id,
-                    "lease_seconds": 30.0,
-                    "horizon": None,
-                },
+                claim_statement(owner=store.publisher_id, lease_seconds=30.0, limit=10)
             ).fetchall()
             assert [row[0] for row in claimed] == [message_id]
             _run_while_held(claiming, decide, database_url, name, "the decision")

@@ -19,23 +19,44 @@ def test_array_literal_writes_each_kind_and_refuses_the_rest() -> None:
         array_literal([b"x"])
 
 
+OWNER = uuid.UUID("0b6e2a52-3f5e-4c1f-9d6e-2b3c4d5e6f70")
+
+
+def _claim(limit: int, horizon: int | None = None, lease_seconds: float = 30.0) -> str:
+    return claim_statement(owner=OWNER, lease_seconds=lease_seconds, limit=limit, horizon=horizon)
+
+
 def test_only_a_claim_ahead_has_a_horizon() -> None:
     """The ordinary claim has no bound on its candidates; the claim-ahead does."""
-    assert "horizon" not in claim_statement(limit=500)
-    ahead = claim_statement(limit=500, horizon=1000)
+    assert "horizon" not in _claim(500)
+    ahead = _claim(500, horizon=1000)
     assert "horizon AS MATERIALIZED" in ahead
     assert ahead.count("(SELECT seq FROM horizon)") == 32
 
 
-def test_the_claims_limits_are_written_into_it() -> None:
-    """Integers in the text (so that a prepared claim's generic plan knows them), not parameters."""
-    sql = claim_statement(limit=500, horizon=1000)
-    assert "%(limit)s" not in sql
-    assert "%(horizon)s" not in sql
+def test_the_claim_takes_no_parameters() -> None:
+    """Its values are written into its text: PostgreSQL plans it once per connection."""
+    sql = _claim(500, horizon=1000, lease_seconds=12.5)
+    assert "%(" not in sql
     assert sql.count("LIMIT 500") == 33  # a branch per lane, and the claim
     assert sql.count("LIMIT 1000") == 1  # the horizon
     assert sql.count("LIMIT 1500") == 32  # its branch per lane: the horizon and one batch
-    with pytest.raises(ValueError, match="at least 1"):
-        claim_statement(limit=0)
-    with pytest.raises(ValueError, match="at least 1"):
-        claim_statement(limit=5, horizon=0)
+    assert sql.count(f"'{OWNER}'::uuid") == 2  # the lanes it owns, the batch's owner
+    assert "make_interval(secs => 12.5::float8)" in sql
+
+
+@pytest.mark.parametrize(
+    ("limit", "horizon", "lease_seconds", "problem"),
+    [
+        (0, None, 30.0, "limits of at least 1, got 0"),
+        (5, 0, 30.0, "limits of at least 1, got 5 and 0"),
+        (5, None, 0.0, "lease of more than 0 seconds, got 0.0"),
+        (5, None, float("nan"), "lease of more than 0 seconds, got nan"),
+        (5, None, float("inf"), "lease of more than 0 seconds, got inf"),
+    ],
+)
+def test_a_claim_with_a_value_it_cannot_take_is_refused(
+    limit: int, horizon: int | None, lease_seconds: float, problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem):
+        _claim(limit, horizon=horizon, lease_seconds=lease_seconds)
