@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 import outbox
+from publisher.store import LANES
 from tests.support import (
     assert_each_delivered_once,
     count_by_state,
@@ -51,6 +52,17 @@ def _enqueue(database_url: str, topic: str, start: int, count: int, per_tx: int)
     return ids
 
 
+def _lane_owners(database_url: str) -> tuple[int, int]:
+    """How many publishers own lanes under a live lease, and how many lanes they own."""
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT count(DISTINCT owner), count(owner) FROM outbox.lanes "
+            "WHERE lease_expires_at > now()"
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 def _delivered(database_url: str) -> int:
     return count_by_state(database_url).get("delivered", 0)
 
@@ -59,8 +71,17 @@ def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_or
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
     """SIGKILL one of three publishers and start a fourth mid-run: all delivered once, in order."""
-    ids = _enqueue(database_url, topic, 0, FIRST, per_tx=500)
     publishers = [start_publisher(database_url, kafka_bootstrap, *FAST) for _ in range(3)]
+    # The lanes shared first: the first publisher up takes them all, and one
+    # publisher alone can deliver the whole stream before its next heartbeat
+    # gives the others their share.
+    wait_until(
+        lambda: _lane_owners(database_url) == (3, LANES),
+        timeout=60,
+        interval=0.2,
+        what="the three publishers to share the lanes",
+    )
+    ids = _enqueue(database_url, topic, 0, FIRST, per_tx=500)
     more: list[uuid.UUID] = []
     writer = threading.Thread(
         target=lambda: more.extend(_enqueue(database_url, topic, FIRST, MORE, per_tx=20))
