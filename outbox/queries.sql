@@ -509,7 +509,8 @@ LIMIT %(limit)s
 -- let their producer session be fenced): in last_error, which outbox list
 -- and outbox inspect show. With %(note)s NULL (the session is fenced now),
 -- such a note gives way again to the error of the message's last attempt,
--- which outbox.attempts keeps all along. Only a message still undecided at
+-- which outbox.attempts keeps all along; a note is told apart by its
+-- %(prefix)s (publisher.store.WAITING_NOTE). Only a message still undecided at
 -- the fence the reconciler read is written, and only when its note changes
 -- (rows whose note is already right are not even locked: a lock is a
 -- write), so a pass that fails the same way again writes nothing; a row
@@ -523,7 +524,7 @@ WITH changing AS (
     WHERE m.id = ANY(%(ids)s::uuid[]) AND m.fence = w.fence
       AND m.state COLLATE "C" = 'uncertain' AND m.escalated_at IS NULL
       AND CASE WHEN %(note)s::text IS NULL
-               THEN m.last_error LIKE 'reconciliation waits: %%'
+               THEN starts_with(m.last_error, %(prefix)s)
                ELSE m.last_error IS DISTINCT FROM %(note)s::text END
     FOR NO KEY UPDATE OF m SKIP LOCKED
 )

@@ -65,7 +65,7 @@ from publisher.logs import MessageLog
 from publisher.outcomes import is_unreachable
 from publisher.partitioning import partition_for
 from publisher.scanner import EvidenceLost, LogScanner, Scan, ScanIncomplete
-from publisher.store import Decision, PublisherStore, UncertainMessage
+from publisher.store import WAITING_NOTE, Decision, PublisherStore, UncertainMessage
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def fence_refused_note(transactional_id: str, error: BaseException) -> str:
     else:
         action = "each reconciliation pass tries again"
     return (
-        f"reconciliation waits: the producer session {transactional_id} that sent it could "
+        f"{WAITING_NOTE}the producer session {transactional_id} that sent it could "
         f"not be fenced ({cause}); {action}"
     )
 

@@ -418,12 +418,23 @@ class PublisherStore:
     def note_waiting(self, messages: Sequence[UncertainMessage], note: str | None) -> int:
         """Write ``note`` as the ``last_error`` of those of ``messages`` still uncertain at
         the fence read, and not escalated; with ``None``, give such a note way to the
-        last attempt's error again. Return how many rows changed."""
+        last attempt's error again. Return how many rows changed.
+
+        A note starts with ``WAITING_NOTE``: that is how it is told apart from
+        an attempt's error when it gives way.
+        """
+        if note is not None and not note.startswith(WAITING_NOTE):
+            raise ValueError(f"a waiting note starts {WAITING_NOTE!r}, not {note!r}")
         if not messages:
             return 0
         cursor = self.conn.execute(
             query("note_waiting"),
-            {"ids": [m.id for m in messages], "fences": [m.fence for m in messages], "note": note},
+            {
+                "ids": [m.id for m in messages],
+                "fences": [m.fence for m in messages],
+                "note": note,
+                "prefix": WAITING_NOTE,
+            },
         )
         return cursor.rowcount
 
@@ -467,6 +478,10 @@ class PublisherStore:
         row = self.conn.execute(query("seconds_until_due")).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
+
+#: How a note on an uncertain message (its last_error) saying why its
+#: reconciliation waits begins (see PublisherStore.note_waiting).
+WAITING_NOTE = "reconciliation waits: "
 
 #: psycopg's prepare_threshold for the store's connection: statements are
 #: prepared only when asked to (see PublisherStore.conn).

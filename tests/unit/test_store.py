@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from publisher.store import array_literal, claim_statement
+from publisher.store import WAITING_NOTE, PublisherStore, array_literal, claim_statement
 
 
 def test_array_literal_writes_each_kind_and_refuses_the_rest() -> None:
@@ -60,3 +60,11 @@ def test_a_claim_with_a_value_it_cannot_take_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=problem):
         _claim(limit, horizon=horizon, lease_seconds=lease_seconds)
+
+
+def test_a_waiting_note_without_its_prefix_is_refused_before_any_sql() -> None:
+    """The prefix is how the note is told apart from an attempt's error when it gives way."""
+    store = PublisherStore("postgresql://127.0.0.1:1/nowhere", uuid.uuid4())
+    with pytest.raises(ValueError, match="a waiting note starts 'reconciliation waits: '"):
+        store.note_waiting([], "the session could not be fenced")
+    assert store.note_waiting([], f"{WAITING_NOTE}a test") == 0  # nothing to write, no SQL
