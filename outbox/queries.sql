@@ -757,14 +757,24 @@ SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
                 AND (e.state = 'quarantined'
                      OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL)))))
 
+-- name: owned_lanes
+-- The lanes this publisher owns under a live lease.
+SELECT lane FROM outbox.lanes WHERE owner = %(owner)s AND lease_expires_at > now()
+
 -- name: seconds_until_due
--- Seconds until the next message needs this publisher: a pending message
--- (not in flight) becomes claimable, a batch's lease expires, or an uncertain
--- message can be reconciled (zero or less: now). NULL when none will.
--- Measured by the database clock, the same clock that set those times.
+-- Seconds until the next message needs this publisher: a pending message of
+-- its lanes (%(lanes)s, from owned_lanes; not in flight) becomes claimable, a
+-- batch's lease expires, or an uncertain message can be reconciled (zero or
+-- less: now). NULL when none will. Measured by the database clock, the same
+-- clock that set those times. Only this publisher's lanes are read for
+-- pending messages: it cannot claim the others, and a backlog in another
+-- publisher's lanes would be read whole after each of its empty claims. The
+-- lanes are a value, not a subquery, so that the planner knows them: told
+-- only "some lanes", with a million messages in one lane it planned a
+-- sequential scan of the table per lane (3.6 s, against 2 ms).
 SELECT extract(epoch FROM least(
            (SELECT min(available_at) FROM outbox.messages
-            WHERE state = 'pending'
+            WHERE state = 'pending' AND lane = ANY(%(lanes)s::smallint[])
               AND id NOT IN (SELECT message_id FROM outbox.in_flight)),
            (SELECT min(lease_expires_at) FROM outbox.batches WHERE settled_at IS NULL),
            (SELECT min(available_at) FROM outbox.messages

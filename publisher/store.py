@@ -474,8 +474,13 @@ class PublisherStore:
         return bool(row and row[0])
 
     def seconds_until_due(self) -> float | None:
-        """Seconds until a message needs a publisher; ``None`` if none will."""
-        row = self.conn.execute(query("seconds_until_due")).fetchone()
+        """Seconds until a message needs this publisher (a pending one: of its lanes);
+        ``None`` if none will."""
+        lanes = [
+            lane
+            for (lane,) in self.conn.execute(query("owned_lanes"), {"owner": self.publisher_id})
+        ]
+        row = self.conn.execute(query("seconds_until_due"), {"lanes": lanes}).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
 

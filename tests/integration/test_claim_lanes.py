@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 import outbox
+from outbox.queries import query
 from publisher.store import LANES, claim_statement
 from tests.support import ClaimingStore, claiming_store
 
@@ -148,6 +149,28 @@ def test_an_empty_claim_does_not_read_another_lanes_backlog(
     # The ten, in flight, are still pending: read and skipped.
     read = _claim_rows_read(store, ahead=False)
     assert read < 10 * LANES, f"the claim read {read} rows of outbox.messages"
+
+
+def test_when_its_lanes_are_empty_the_publisher_is_due_at_its_own_work_only(
+    other_lane_backlog: tuple[ClaimingStore, set[uuid.UUID]],
+) -> None:
+    """After an empty claim: due when its batch's lease expires, not at once for the
+    other lane's backlog, which it cannot claim; and that backlog is not read."""
+    store, _ = other_lane_backlog
+    assert store.claim(500, 30.0) is not None  # takes the ten, for 30 s
+    due = store.seconds_until_due()
+    assert due is not None
+    assert 25 < due <= 30, due
+    lanes = [
+        lane for (lane,) in store.conn.execute(query("owned_lanes"), {"owner": store.publisher_id})
+    ]
+    assert len(lanes) == LANES - 1
+    with store.conn.transaction():
+        [(plan,)] = store.conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + query("seconds_until_due"), {"lanes": lanes}
+        ).fetchall()
+    read = _rows_read(plan[0]["Plan"])
+    assert read < 10 * LANES, f"seconds_until_due read {read} rows of outbox.messages"
 
 
 def test_the_store_plans_its_claim_once(database_url: str) -> None:
