@@ -300,8 +300,8 @@ WITH outcome AS (
     -- list makes the key an index condition (joined on outcome alone, every
     -- pending row of the backlog was hashed). The state is compared under
     -- the "C" collation (the same test: states are ASCII) so that the
-    -- planner cannot read it from the partial index messages_claimable
-    -- instead: the statistics of a queue table lag behind it, and when
+    -- planner cannot read it from the partial index of pending messages
+    -- (messages_claimable_by_lane) instead: the statistics of a queue table lag behind it, and when
     -- ANALYZE last saw few pending rows, that index looks like one row to
     -- read while a backlog has filled it (a claim after a stall read 20,000
     -- index entries per statement; recovery, joining twice, read 20,000 per
