@@ -210,30 +210,39 @@ def _needs_savepoint(intents: Sequence[Intent]) -> bool:
 def _insert(intents: Sequence[Intent]) -> Steps:
     """Insert intents, one statement per 5,000; return their ids in order.
 
-    Each statement locks its keys in one global order. A call of several
-    statements first takes the locks of all its keys in that order: locked one
-    statement at a time, two such calls could each hold a key the other's
-    next statement waits for (a deadlock, and PostgreSQL aborts one).
+    Each statement locks its keys in one global order (take_key_locks). A
+    call of several statements first takes the locks of all its keys, in one
+    statement of its own: locked one statement at a time, two such calls
+    could each hold a key the other's next statement waits for (a deadlock,
+    and PostgreSQL aborts one).
     """
     ids: list[uuid.UUID] = []
+    locked_first = False
     if len(intents) > MAX_ROWS_PER_STATEMENT:
         keyed = [i for i in intents if i.key is not None]
         if keyed:
             yield (
-                query("lock_keys"),
+                query("lock_keys").format(take_key_locks=query("take_key_locks")),
                 {
                     "topics": [i.topic for i in keyed],
                     "keys": [i.key for i in keyed],
                 },
             )
+            locked_first = True
     for start in range(0, len(intents), MAX_ROWS_PER_STATEMENT):
-        ids += yield from _insert_statement(intents[start : start + MAX_ROWS_PER_STATEMENT])
+        chunk = intents[start : start + MAX_ROWS_PER_STATEMENT]
+        ids += yield from _insert_statement(chunk, lock=not locked_first)
     return ids
 
 
-def _insert_statement(intents: Sequence[Intent]) -> Steps:
-    """Insert intents in one statement; resolve idempotency conflicts to the ids already stored."""
-    sql = query("insert_messages").format(rows=", ".join([_ROW] * len(intents)))
+def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
+    """Insert intents in one statement (locking their keys unless ``lock`` is false: they
+    are locked already); resolve idempotency conflicts to the ids already stored."""
+    sql = query("insert_messages").format(
+        rows=", ".join([_ROW] * len(intents)),
+        lock="true" if lock else "false",
+        take_key_locks=query("take_key_locks"),
+    )
     params: list[Any] = []
     for i in intents:
         params.extend(

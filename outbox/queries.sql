@@ -4,39 +4,87 @@
 
 -- name: insert_messages
 -- Insert intents; {rows} is one typed "(%s, ...)" group per intent. First,
--- take a transaction-scoped advisory lock per key (in a fixed order, so two
--- of these statements never wait on each other in a cycle; a call of several
--- statements takes all its locks first, see lock_keys): enqueues of one key
--- serialise until commit, so one key's seq follow its commit order. The locks
--- are taken before any row (and its seq) is produced. A row whose idempotency
--- key is already taken is skipped, and its id is not returned.
+-- lock the keys ({take_key_locks}): enqueues of one key serialise until
+-- commit, so one key's seq follow its commit order. The locks are taken
+-- before any row (and its seq) is produced. {lock} is false in the
+-- statements of a call whose keys lock_keys locked first (there is nothing
+-- left to lock), true otherwise. A row whose idempotency key is already
+-- taken is skipped, and its id is not returned.
 WITH intent (id, topic, key, value, header_names, header_values, idempotency_key) AS (
     VALUES {rows}
-), locked AS (
-    SELECT count(pg_advisory_xact_lock(lock_key)) AS keys
-    FROM (SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
-          FROM intent
-          WHERE key IS NOT NULL
-          ORDER BY lock_key) AS keys
-)
+), lock_key AS MATERIALIZED (
+    SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
+    FROM intent
+    WHERE key IS NOT NULL AND {lock}
+){take_key_locks}
 INSERT INTO outbox.messages
     (id, topic, key, value, header_names, header_values, idempotency_key)
 SELECT id, topic, key, value, header_names, header_values, idempotency_key
 FROM intent
-WHERE (SELECT keys FROM locked) >= 0
+WHERE (SELECT held FROM key_locks_held) IS NOT NULL
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
 
 -- name: lock_keys
 -- The key locks of an enqueue_many of several insert_messages statements, all
--- taken before the first row is written and in the order insert_messages
--- takes them (by the same hash of topic and key), so that two such calls
--- never wait on each other in a cycle. Each insert then takes its own again,
--- at once: a transaction holding a lock takes it again without waiting.
-SELECT count(pg_advisory_xact_lock(lock_key))
-FROM (SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
-      FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
-      ORDER BY lock_key) AS keys
+-- taken before the first row is written, in one statement ({take_key_locks}),
+-- so that two such calls never wait on each other in a cycle; its
+-- insert_messages statements then lock nothing more.
+WITH lock_key AS MATERIALIZED (
+    SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
+    FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
+){take_key_locks}
+SELECT held FROM key_locks_held
+
+-- name: take_key_locks
+-- The key locks of an enqueue, as common table expressions that follow
+-- lock_key (the hashes of its distinct keys); key_locks_held is read last,
+-- once every lock is taken. A key's lock is a transaction-scoped advisory
+-- lock on its hash, exclusive, taken in the order of the hashes, so that two
+-- statements never wait on each other in a cycle. Every lock lives in
+-- PostgreSQL's shared lock table until the transaction ends, and that table
+-- is sized for about max_locks_per_transaction locks a connection (64 by
+-- default): a transaction that locked tens of thousands of keys would fill
+-- it and fail ("out of shared memory"), and, while it held thousands, so
+-- could any other transaction that needs a lock of its own. So a
+-- transaction counts the keys it has locked (the setting
+-- outbox.enqueue_key_locks, local to the transaction; an enqueue of a key
+-- locked before counts it again) and locks keys one by one only up to
+-- max_locks_per_transaction of them. Beyond that it takes the lock on all
+-- keys instead, exclusive (-1 in the count): no other transaction enqueues a
+-- keyed message until it ends, and it takes no more key locks. Every
+-- transaction that locks keys one by one first holds the lock on all keys
+-- shared (taken before its first key lock), so the two exclude each other,
+-- and a transaction waiting for the lock on all keys holds no key lock
+-- another one waits for. The lock on all keys is advisory, keyed by
+-- outbox.messages' oid and 0, apart from the keys' (keyed by one bigint) and
+-- the lanes' (keyed by outbox.lanes' oid). Each step runs before the next
+-- because the next reads its result: a one-time filter, evaluated before
+-- any row is read.
+-- The count is held before this statement and after it (-1: the lock on all keys).
+, all_keys_locked AS MATERIALIZED (
+    SELECT after,
+           CASE WHEN held >= 0 AND after < 0
+                THEN pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
+                WHEN held = 0 AND after > 0
+                THEN pg_advisory_xact_lock_shared('outbox.messages'::regclass::oid::integer, 0)
+           END AS locked
+    FROM (SELECT held,
+                 CASE WHEN held < 0 OR wanted = 0 THEN held
+                      WHEN held + wanted > current_setting('max_locks_per_transaction')::integer
+                      THEN -1
+                      ELSE held + wanted END AS after
+          FROM (SELECT coalesce(nullif(current_setting('outbox.enqueue_key_locks', true), ''),
+                                '0')::integer AS held,
+                       count(*)::integer AS wanted
+                FROM lock_key) AS counted) AS budget
+), key_locks_held AS MATERIALIZED (
+    SELECT set_config('outbox.enqueue_key_locks', after::text, true)::integer AS held
+    FROM all_keys_locked,
+         (SELECT count(pg_advisory_xact_lock(k.lock_key)) AS locks
+          FROM (SELECT lock_key FROM lock_key ORDER BY lock_key) AS k
+          WHERE (SELECT after FROM all_keys_locked) >= 0) AS keys_locked
+)
 
 -- name: ids_by_idempotency_key
 SELECT idempotency_key, id
