@@ -41,33 +41,38 @@ SELECT held FROM key_locks_held
 -- lock_key (the hashes of its distinct keys); key_locks_held is read last,
 -- once every lock is taken. A key's lock is a transaction-scoped advisory
 -- lock on its hash, exclusive, taken in the order of the hashes, so that two
--- statements never wait on each other in a cycle. Every lock lives in
--- PostgreSQL's shared lock table until the transaction ends, and that table
--- is sized for about max_locks_per_transaction locks a connection (64 by
--- default): a transaction that locked tens of thousands of keys would fill
--- it and fail ("out of shared memory"), and, while it held thousands, so
--- could any other transaction that needs a lock of its own. So a
--- transaction counts the keys it has locked (the setting
--- outbox.enqueue_key_locks, local to the transaction; an enqueue of a key
--- locked before counts it again) and locks keys one by one only up to
--- max_locks_per_transaction of them. Beyond that it takes the lock on all
--- keys instead, exclusive (-1 in the count): no other transaction enqueues a
--- keyed message until it ends, and it takes no more key locks. Every
--- transaction that locks keys one by one first holds the lock on all keys
--- shared (taken before its first key lock), so the two exclude each other,
--- and a transaction waiting for the lock on all keys holds no key lock
--- another one waits for. The lock on all keys is advisory, keyed by
--- outbox.messages' oid and 0, apart from the keys' (keyed by one bigint) and
--- the lanes' (keyed by outbox.lanes' oid). Each step runs before the next
--- because the next reads its result: a one-time filter, evaluated before
--- any row is read.
--- The count is held before this statement and after it (-1: the lock on all keys).
+-- statements never wait on each other in a cycle.
+-- Every lock lives in PostgreSQL's shared lock table until the transaction
+-- ends, a table sized for about max_locks_per_transaction locks a connection
+-- (64 by default): a transaction that locked tens of thousands of keys would
+-- fill it and fail ("out of shared memory"), and, while it held thousands,
+-- so could any other transaction that needed a lock. So a transaction counts
+-- the keys it has locked (the setting outbox.enqueue_key_locks, local to the
+-- transaction; one statement counts each of its keys once, a key enqueued
+-- again by a later statement counts again) and locks keys one by one only
+-- up to max_locks_per_transaction of them. The statement that would pass
+-- that takes the lock on all keys instead, exclusive (-1 in the count), and
+-- the transaction locks no more keys: no other transaction enqueues a keyed
+-- message until it ends. A transaction that locks keys one by one holds the
+-- lock on all keys shared, so the two exclude each other. It takes the
+-- shared lock (once) after its statement's key locks: a transaction holding
+-- the shared lock has taken every key lock of its statement. A transaction
+-- that takes the exclusive lock after it locked keys one by one waits for
+-- every transaction holding the shared lock, and none of those that enqueue
+-- in one statement waits for one of its keys; one that enqueues again, in a
+-- later statement, may, and then the two deadlock and PostgreSQL aborts one.
+-- A transaction whose first keys pass the count holds no key lock while it
+-- waits for the exclusive lock.
+-- The lock on all keys is advisory, keyed by outbox.messages' oid and 0,
+-- apart from the keys' (keyed by one bigint) and the lanes' (keyed by
+-- outbox.lanes' oid). Each step runs before the next because the next reads
+-- its result: a one-time filter, evaluated before any row is read, or a
+-- column of the row the step returns.
+-- held and after: the count before this statement and after it.
 , all_keys_locked AS MATERIALIZED (
-    SELECT after,
+    SELECT held, after,
            CASE WHEN held >= 0 AND after < 0
                 THEN pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
-                WHEN held = 0 AND after > 0
-                THEN pg_advisory_xact_lock_shared('outbox.messages'::regclass::oid::integer, 0)
            END AS locked
     FROM (SELECT held,
                  CASE WHEN held < 0 OR wanted = 0 THEN held
@@ -79,8 +84,11 @@ SELECT held FROM key_locks_held
                        count(*)::integer AS wanted
                 FROM lock_key) AS counted) AS budget
 ), key_locks_held AS MATERIALIZED (
-    SELECT set_config('outbox.enqueue_key_locks', after::text, true)::integer AS held
-    FROM all_keys_locked,
+    SELECT set_config('outbox.enqueue_key_locks', a.after::text, true)::integer AS held,
+           CASE WHEN a.held = 0 AND a.after > 0 AND keys_locked.locks >= 0
+                THEN pg_advisory_xact_lock_shared('outbox.messages'::regclass::oid::integer, 0)
+           END AS shared_locked
+    FROM all_keys_locked AS a,
          (SELECT count(pg_advisory_xact_lock(k.lock_key)) AS locks
           FROM (SELECT lock_key FROM lock_key ORDER BY lock_key) AS k
           WHERE (SELECT after FROM all_keys_locked) >= 0) AS keys_locked

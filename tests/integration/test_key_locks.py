@@ -136,3 +136,35 @@ def test_a_transaction_going_past_its_budget_waits_for_the_keys_held_by_others(
         first.close()
         bulk.close()
     assert values == [(b"first",), (b"second",)]
+
+
+def test_a_transaction_going_past_its_budget_is_not_deadlocked_by_one_waiting_for_its_key(
+    database_url: str,
+) -> None:
+    """A transaction that waits for a key holds no lock on all keys yet, so one that holds
+    that key and then passes its budget takes the lock on all keys without a deadlock."""
+    name = f"waiting-{uuid.uuid4().hex[:8]}"
+    first = psycopg.connect(database_url)
+    waiting = psycopg.connect(database_url, application_name=name)
+    try:
+        budget = _setting(first, "max_locks_per_transaction")
+        outbox.enqueue(first, TOPIC, b"first", key="shared")
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(outbox.enqueue, waiting, TOPIC, b"second", key="shared")
+            wait_until(
+                lambda: waiting_on_lock(database_url, name),
+                timeout=10,
+                what="the second transaction to wait for the key",
+            )
+            # Passes the budget: waits for every holder of the lock on all keys shared.
+            outbox.enqueue_many(first, _keyed("past-the-budget", budget))
+            first.commit()
+            late.result(timeout=10)
+        waiting.commit()
+        values = waiting.execute(
+            "SELECT value FROM outbox.messages WHERE key = 'shared' ORDER BY seq"
+        ).fetchall()
+    finally:
+        first.close()
+        waiting.close()
+    assert values == [(b"first",), (b"second",)]
