@@ -235,14 +235,18 @@ def _insert(intents: Sequence[Intent]) -> Steps:
     return ids
 
 
+def insert_statement(rows: str, *, lock: bool = True) -> str:
+    """The enqueue's INSERT (``insert_messages``) of ``rows``, its VALUES rows; it locks
+    their keys unless ``lock`` is false. benchmarks/pgbench builds its script with it."""
+    return query("insert_messages").format(
+        rows=rows, lock="true" if lock else "false", take_key_locks=query("take_key_locks")
+    )
+
+
 def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
     """Insert intents in one statement (locking their keys unless ``lock`` is false: they
     are locked already); resolve idempotency conflicts to the ids already stored."""
-    sql = query("insert_messages").format(
-        rows=", ".join([_ROW] * len(intents)),
-        lock="true" if lock else "false",
-        take_key_locks=query("take_key_locks"),
-    )
+    sql = insert_statement(", ".join([_ROW] * len(intents)), lock=lock)
     params: list[Any] = []
     for i in intents:
         params.extend(

@@ -13,8 +13,10 @@
 #                         the table with only its primary key (its width and
 #                         stored columns, none of its other indexes, no trigger)
 #   order_outbox_row.sql  the order and a plain INSERT of one outbox.messages row
-#   order_enqueue.sql     the order and the enqueue's own statement
-#                         (outbox/queries.sql, insert_messages)
+#   order_enqueue         the order and the enqueue's own statement, for one
+#                         keyed message: written here at each run from the
+#                         library's (outbox.enqueue.insert_statement), so it
+#                         is the statement of the code at hand
 # and the outbox row once more with the wake-up trigger disabled.
 # Run from the repository after `. ./.services.env`; prints transactions a
 # second. Message ids here are random UUIDs, where the library's are UUIDv7.
@@ -26,7 +28,26 @@ pgbench=$(ls -d /usr/lib/postgresql/*/bin/pgbench 2>/dev/null | sort -V | tail -
 db=outbox_pgbench_$$
 base=${OUTBOX_DATABASE_URL%/*}
 psql "$OUTBOX_DATABASE_URL" -qc "CREATE DATABASE $db"
-trap 'psql "$OUTBOX_DATABASE_URL" -qc "DROP DATABASE IF EXISTS $db WITH (FORCE)"' EXIT
+scripts=$(mktemp -d)
+trap 'psql "$OUTBOX_DATABASE_URL" -qc "DROP DATABASE IF EXISTS $db WITH (FORCE)"; rm -rf "$scripts"' EXIT
+cp "$here"/*.sql "$scripts"/
+"$here/../../.venv/bin/python" - "$scripts/order_enqueue.sql" <<'PY'
+import sys
+
+from outbox.enqueue import insert_statement
+
+row = (
+    "(gen_random_uuid(), 'orders'::text, ('c-' || :c)::bytea,"
+    " '{\"order\":1,\"customer\":17,\"total\":\"12.50\"}'::bytea,"
+    " ARRAY['content-type']::text[], ARRAY['application/json'::bytea]::bytea[], NULL::text)"
+)
+with open(sys.argv[1], "w", encoding="utf-8") as script:
+    script.write(
+        "\\set c random(1, 1000)\nBEGIN;\n"
+        "INSERT INTO bench_orders (customer, total) VALUES (:c, 12.5) RETURNING id;\n"
+        f"{insert_statement(row)};\nCOMMIT;\n"
+    )
+PY
 url=$base/$db
 "$here/../../.venv/bin/outbox" --database-url "$url" migrate >/dev/null
 psql "$url" -qc "CREATE TABLE bench_orders (id bigserial PRIMARY KEY, customer int NOT NULL,
@@ -38,7 +59,7 @@ psql "$url" -qc "CREATE TABLE bench_orders (id bigserial PRIMARY KEY, customer i
 point() { # clients script [label]
     psql "$url" -qc "TRUNCATE bench_orders, bench_events, bench_messages_pk_only, outbox.messages"
     local tps
-    tps=$("$pgbench" -n -M prepared -c "$1" -j 2 -T "${SECONDS_A_POINT:-10}" -f "$here/$2.sql" "$url" 2>/dev/null |
+    tps=$("$pgbench" -n -M prepared -c "$1" -j 2 -T "${SECONDS_A_POINT:-10}" -f "$scripts/$2.sql" "$url" 2>/dev/null |
         grep -o 'tps = [0-9.]*' | head -1)
     printf '%-3s clients  %-34s %s\n' "$1" "${3:-$2}" "$tps"
 }
