@@ -46,14 +46,14 @@ SELECT held FROM key_locks_held
 -- ends, a table sized for about max_locks_per_transaction locks a connection
 -- (64 by default): a transaction that locked tens of thousands of keys would
 -- fill it and fail ("out of shared memory"), and, while it held thousands,
--- so could any other transaction that needed a lock. So a transaction counts
--- the keys it has locked (the setting outbox.enqueue_key_locks, local to the
--- transaction; one statement counts each of its keys once, a key enqueued
--- again by a later statement counts again) and locks keys one by one only
--- up to max_locks_per_transaction of them. The statement that would pass
--- that takes the lock on all keys instead, exclusive (-1 in the count), and
--- the transaction locks no more keys: no other transaction enqueues a keyed
--- message until it ends. A transaction that locks keys one by one holds the
+-- so could any other transaction that needed a lock. So a transaction
+-- remembers the keys it has locked (their hashes, in the setting
+-- outbox.enqueue_key_locks, local to the transaction), locks only those it
+-- has not, and locks keys one by one only up to max_locks_per_transaction of
+-- them (at most 1,024: every enqueue reads the setting). The statement that
+-- would pass that takes the lock on all keys instead, exclusive ('*' in the
+-- setting), and the transaction locks no more keys: no other transaction
+-- enqueues a keyed message until it ends. A transaction that locks keys one by one holds the
 -- lock on all keys shared, so the two exclude each other. It takes the
 -- shared lock (once) after its statement's key locks: a transaction holding
 -- the shared lock has taken every key lock of its statement. A transaction
@@ -61,37 +61,46 @@ SELECT held FROM key_locks_held
 -- every transaction holding the shared lock, and none of those that enqueue
 -- in one statement waits for one of its keys; one that enqueues again, in a
 -- later statement, may, and then the two deadlock and PostgreSQL aborts one.
--- A transaction whose first keys pass the count holds no key lock while it
+-- A transaction whose first keys pass the number holds no key lock while it
 -- waits for the exclusive lock.
 -- The lock on all keys is advisory, keyed by outbox.messages' oid and 0,
 -- apart from the keys' (keyed by one bigint) and the lanes' (keyed by
 -- outbox.lanes' oid). Each step runs before the next because the next reads
--- its result: a one-time filter, evaluated before any row is read, or a
--- column of the row the step returns.
--- held and after: the count before this statement and after it.
+-- its result.
+-- held: the hashes of the keys this transaction locked one by one before
+-- this statement (NULL once it holds the lock on all keys); new: this
+-- statement's keys not among them, in order; after: the setting once this
+-- statement's locks are taken ('*': the lock on all keys).
 , all_keys_locked AS MATERIALIZED (
-    SELECT held, after,
-           CASE WHEN held >= 0 AND after < 0
+    SELECT held, new, after,
+           CASE WHEN held IS NOT NULL AND after = '*'
                 THEN pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
            END AS locked
-    FROM (SELECT held,
-                 CASE WHEN held < 0 OR wanted = 0 THEN held
-                      WHEN held + wanted > current_setting('max_locks_per_transaction')::integer
-                      THEN -1
-                      ELSE held + wanted END AS after
-          FROM (SELECT coalesce(nullif(current_setting('outbox.enqueue_key_locks', true), ''),
-                                '0')::integer AS held,
-                       count(*)::integer AS wanted
-                FROM lock_key) AS counted) AS budget
+    FROM (SELECT held, new,
+                 CASE WHEN held IS NULL THEN '*'
+                      WHEN cardinality(held) + cardinality(new)
+                           > least(current_setting('max_locks_per_transaction')::integer, 1024)
+                      THEN '*'
+                      ELSE array_to_string(held || new, ',') END AS after
+          FROM (SELECT held,
+                       ARRAY(SELECT lock_key FROM lock_key
+                             WHERE lock_key <> ALL (held)
+                             ORDER BY lock_key) AS new
+                FROM (SELECT CASE setting WHEN '*' THEN NULL
+                                          WHEN '' THEN ARRAY[]::bigint[]
+                                          ELSE string_to_array(setting, ',')::bigint[] END AS held
+                      FROM (SELECT coalesce(current_setting('outbox.enqueue_key_locks', true), '')
+                                   AS setting) AS s) AS h) AS n) AS budget
 ), key_locks_held AS MATERIALIZED (
-    SELECT set_config('outbox.enqueue_key_locks', a.after::text, true)::integer AS held,
-           CASE WHEN a.held = 0 AND a.after > 0 AND keys_locked.locks >= 0
+    SELECT set_config('outbox.enqueue_key_locks', a.after, true) AS held,
+           CASE WHEN cardinality(a.held) = 0 AND cardinality(a.new) > 0 AND a.after <> '*'
+                     AND keys_locked.locks >= 0
                 THEN pg_advisory_xact_lock_shared('outbox.messages'::regclass::oid::integer, 0)
            END AS shared_locked
     FROM all_keys_locked AS a,
          (SELECT count(pg_advisory_xact_lock(k.lock_key)) AS locks
-          FROM (SELECT lock_key FROM lock_key ORDER BY lock_key) AS k
-          WHERE (SELECT after FROM all_keys_locked) >= 0) AS keys_locked
+          FROM (SELECT unnest(new) AS lock_key FROM all_keys_locked WHERE after <> '*') AS k)
+         AS keys_locked
 )
 
 -- name: ids_by_idempotency_key

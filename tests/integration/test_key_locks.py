@@ -60,6 +60,24 @@ def test_a_transaction_of_many_enqueues_holds_a_bounded_number_of_locks(
     assert row == (5_000,)
 
 
+def test_a_key_enqueued_again_is_not_locked_or_counted_again(database_url: str) -> None:
+    """A hundred enqueues of one key hold one key lock, and no lock on all keys: another
+    transaction enqueues another key meanwhile."""
+    with psycopg.connect(database_url) as conn, psycopg.connect(database_url) as other:
+        for i in range(100):
+            outbox.enqueue(conn, TOPIC, f"event {i}", key="one aggregate")
+        locks = conn.execute(
+            "SELECT mode, objsubid FROM pg_locks"
+            " WHERE pid = pg_backend_pid() AND locktype = 'advisory' ORDER BY objsubid"
+        ).fetchall()
+        other.execute("SET lock_timeout = '5s'")
+        outbox.enqueue(other, TOPIC, b"meanwhile", key="another key")
+        other.commit()
+        conn.commit()
+    # The key's lock (one bigint: objsubid 1) and the lock on all keys, shared.
+    assert locks == [("ExclusiveLock", 1), ("ShareLock", 2)]
+
+
 def test_a_transaction_of_more_keys_than_the_lock_table_holds_commits(database_url: str) -> None:
     """One enqueue_many of three times as many keys as the server's lock table is sized for
     (several statements, locked first by lock_keys) commits them all."""
