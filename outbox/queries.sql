@@ -71,7 +71,17 @@ SELECT held FROM key_locks_held
 -- this statement (NULL once it holds the lock on all keys); new: this
 -- statement's keys not among them, in order; after: the setting once this
 -- statement's locks are taken ('*': the lock on all keys).
-, all_keys_locked AS MATERIALIZED (
+, key_lock_budget AS MATERIALIZED (
+    SELECT held,
+           ARRAY(SELECT lock_key FROM lock_key
+                 WHERE lock_key <> ALL (held)
+                 ORDER BY lock_key) AS new
+    FROM (SELECT CASE setting WHEN '*' THEN NULL
+                              WHEN '' THEN ARRAY[]::bigint[]
+                              ELSE string_to_array(setting, ',')::bigint[] END AS held
+          FROM (SELECT coalesce(current_setting('outbox.enqueue_key_locks', true), '')
+                       AS setting) AS s) AS h
+), all_keys_locked AS MATERIALIZED (
     SELECT held, new, after,
            CASE WHEN held IS NOT NULL AND after = '*'
                 THEN pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
@@ -82,15 +92,7 @@ SELECT held FROM key_locks_held
                            > least(current_setting('max_locks_per_transaction')::integer, 1024)
                       THEN '*'
                       ELSE array_to_string(held || new, ',') END AS after
-          FROM (SELECT held,
-                       ARRAY(SELECT lock_key FROM lock_key
-                             WHERE lock_key <> ALL (held)
-                             ORDER BY lock_key) AS new
-                FROM (SELECT CASE setting WHEN '*' THEN NULL
-                                          WHEN '' THEN ARRAY[]::bigint[]
-                                          ELSE string_to_array(setting, ',')::bigint[] END AS held
-                      FROM (SELECT coalesce(current_setting('outbox.enqueue_key_locks', true), '')
-                                   AS setting) AS s) AS h) AS n) AS budget
+          FROM key_lock_budget) AS budget
 ), key_locks_held AS MATERIALIZED (
     SELECT set_config('outbox.enqueue_key_locks', a.after, true) AS held,
            CASE WHEN cardinality(a.held) = 0 AND cardinality(a.new) > 0 AND a.after <> '*'
