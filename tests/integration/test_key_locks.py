@@ -12,7 +12,8 @@ lock on all keys instead.
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -36,6 +37,30 @@ def _advisory_locks(conn: psycopg.Connection) -> int:
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def _blocked(
+    pool: ThreadPoolExecutor,
+    database_url: str,
+    name: str,
+    what: str,
+    call: Callable[..., object],
+    *args: object,
+    **kwargs: object,
+) -> Future[object]:
+    """``call(*args, **kwargs)``, started in ``pool`` (on the connection named ``name``),
+    once it waits for a lock."""
+    started = pool.submit(call, *args, **kwargs)
+    wait_until(lambda: waiting_on_lock(database_url, name), timeout=10, what=what)
+    assert not started.done()
+    return started
+
+
+def _values_of(conn: psycopg.Connection, key: str) -> list[tuple[bytes]]:
+    """The values of ``key``'s messages, in seq order."""
+    return conn.execute(
+        "SELECT value FROM outbox.messages WHERE key = %s::bytea ORDER BY seq", (key,)
+    ).fetchall()
 
 
 def _setting(conn: psycopg.Connection, name: str) -> int:
@@ -109,13 +134,17 @@ def test_past_its_budget_a_transaction_holds_back_every_keyed_enqueue_until_it_e
         outbox.enqueue_many(bulk, _keyed("bulk", budget + 1))
         outbox.enqueue(other, TOPIC, b"unkeyed")  # takes no key lock: no wait
         with ThreadPoolExecutor(1) as pool:
-            late = pool.submit(outbox.enqueue, other, TOPIC, b"late", key="a key of its own")
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the other transaction to wait for the one past its budget",
+            late = _blocked(
+                pool,
+                database_url,
+                name,
+                "the other transaction to wait for the one past its budget",
+                outbox.enqueue,
+                other,
+                TOPIC,
+                b"late",
+                key="a key of its own",
             )
-            assert not late.done()
             bulk.commit()
             late.result(timeout=10)
         other.commit()
@@ -137,19 +166,19 @@ def test_a_transaction_going_past_its_budget_waits_for_the_keys_held_by_others(
         outbox.enqueue(first, TOPIC, b"first", key="shared")
         messages = [outbox.Message(TOPIC, b"second", key="shared"), *_keyed("bulk", budget)]
         with ThreadPoolExecutor(1) as pool:
-            late = pool.submit(outbox.enqueue_many, bulk, messages)
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the transaction past its budget to wait for the open key lock",
+            late = _blocked(
+                pool,
+                database_url,
+                name,
+                "the transaction past its budget to wait for the open key lock",
+                outbox.enqueue_many,
+                bulk,
+                messages,
             )
-            assert not late.done()
             first.commit()
             late.result(timeout=10)
         bulk.commit()
-        values = bulk.execute(
-            "SELECT value FROM outbox.messages WHERE key = 'shared' ORDER BY seq"
-        ).fetchall()
+        values = _values_of(bulk, "shared")
     finally:
         first.close()
         bulk.close()
@@ -168,20 +197,23 @@ def test_a_transaction_going_past_its_budget_is_not_deadlocked_by_one_waiting_fo
         budget = _setting(first, "max_locks_per_transaction")
         outbox.enqueue(first, TOPIC, b"first", key="shared")
         with ThreadPoolExecutor(1) as pool:
-            late = pool.submit(outbox.enqueue, waiting, TOPIC, b"second", key="shared")
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the second transaction to wait for the key",
+            late = _blocked(
+                pool,
+                database_url,
+                name,
+                "the second transaction to wait for the key",
+                outbox.enqueue,
+                waiting,
+                TOPIC,
+                b"second",
+                key="shared",
             )
             # Passes the budget: waits for every holder of the lock on all keys shared.
             outbox.enqueue_many(first, _keyed("past-the-budget", budget))
             first.commit()
             late.result(timeout=10)
         waiting.commit()
-        values = waiting.execute(
-            "SELECT value FROM outbox.messages WHERE key = 'shared' ORDER BY seq"
-        ).fetchall()
+        values = _values_of(waiting, "shared")
     finally:
         first.close()
         waiting.close()
