@@ -53,14 +53,15 @@ SELECT held FROM key_locks_held
 -- them (at most 1,024: every enqueue reads the setting). The statement that
 -- would pass that takes the lock on all keys instead, exclusive ('*' in the
 -- setting), and the transaction locks no more keys: no other transaction
--- enqueues a keyed message until it ends. A transaction that locks keys one by one holds the
--- lock on all keys shared, so the two exclude each other. It takes the
--- shared lock (once) after its statement's key locks: a transaction holding
--- the shared lock has taken every key lock of its statement. A transaction
--- that takes the exclusive lock after it locked keys one by one waits for
--- every transaction holding the shared lock, and none of those that enqueue
--- in one statement waits for one of its keys; one that enqueues again, in a
--- later statement, may, and then the two deadlock and PostgreSQL aborts one.
+-- enqueues a keyed message until it ends. A transaction that locks keys one
+-- by one holds the lock on all keys shared, so the two exclude each other.
+-- It takes the shared lock (once) after its statement's key locks: a
+-- transaction holding the shared lock has taken every key lock of its
+-- statement. A transaction that takes the exclusive lock after it locked
+-- keys one by one waits for every transaction holding the shared lock, and
+-- none of those that enqueue in one statement waits for one of its keys; one
+-- that enqueues again, in a later statement, may, and then the two deadlock
+-- and PostgreSQL aborts one.
 -- A transaction whose first keys pass the number holds no key lock while it
 -- waits for the exclusive lock.
 -- The lock on all keys is advisory, keyed by outbox.messages' oid and 0,
@@ -368,7 +369,8 @@ WITH outcome AS (
     -- pending row of the backlog was hashed). The state is compared under
     -- the "C" collation (the same test: states are ASCII) so that the
     -- planner cannot read it from the partial index of pending messages
-    -- (messages_claimable_by_lane) instead: the statistics of a queue table lag behind it, and when
+    -- (messages_claimable_by_lane) instead: the statistics of a queue table
+    -- lag behind it, and when
     -- ANALYZE last saw few pending rows, that index looks like one row to
     -- read while a backlog has filled it (a claim after a stall read 20,000
     -- index entries per statement; recovery, joining twice, read 20,000 per

@@ -25,7 +25,7 @@ REVOKE ALL ON SCHEMA outbox FROM {writer}, {publisher}, {operator};
 -- A service that enqueues: insert_messages and ids_by_idempotency_key. The
 -- insert's ON CONFLICT (idempotency_key) and RETURNING id read those two
 -- columns; seq (an identity), lane and key_hash (generated) need no grant,
--- nor the advisory locks (and the transaction-local setting that counts
+-- nor the advisory locks (and the transaction-local setting that remembers
 -- them, take_key_locks) or the NOTIFY of the insert trigger. Nothing else
 -- of any message is readable: not its value, headers, key, topic or state.
 -- The trigger, as the transaction commits, takes outbox.wakeup in ROW
