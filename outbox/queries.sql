@@ -12,10 +12,8 @@
 -- taken is skipped, and its id is not returned.
 WITH intent (id, topic, key, value, header_names, header_values, idempotency_key) AS (
     VALUES {rows}
-), lock_key AS MATERIALIZED (
-    SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
-    FROM intent
-    WHERE key IS NOT NULL AND {lock}
+), key_to_lock AS (
+    SELECT topic, key FROM intent WHERE {lock}
 ){take_key_locks}
 INSERT INTO outbox.messages
     (id, topic, key, value, header_names, header_values, idempotency_key)
@@ -30,18 +28,19 @@ RETURNING id
 -- taken before the first row is written, in one statement ({take_key_locks}),
 -- so that two such calls never wait on each other in a cycle; its
 -- insert_messages statements then lock nothing more.
-WITH lock_key AS MATERIALIZED (
-    SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
-    FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
+WITH key_to_lock AS (
+    SELECT topic, key FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
 ){take_key_locks}
 SELECT held FROM key_locks_held
 
 -- name: take_key_locks
 -- The key locks of an enqueue, as common table expressions that follow
--- lock_key (the hashes of its distinct keys); key_locks_held is read last,
--- once every lock is taken. A key's lock is a transaction-scoped advisory
--- lock on its hash, exclusive, taken in the order of the hashes, so that two
--- statements never wait on each other in a cycle.
+-- key_to_lock (the topic and key of each message to lock for; unkeyed ones
+-- and repeats are left out here); key_locks_held is read last, once every
+-- lock is taken. A key's lock is a transaction-scoped advisory lock on its
+-- hash (the hash outbox.messages stores as key_hash), exclusive, taken in
+-- the order of the hashes, so that two statements never wait on each other
+-- in a cycle.
 -- Every lock lives in PostgreSQL's shared lock table until the transaction
 -- ends, a table sized for about max_locks_per_transaction locks a connection
 -- (64 by default): a transaction that locked tens of thousands of keys would
@@ -68,11 +67,16 @@ SELECT held FROM key_locks_held
 -- apart from the keys' (keyed by one bigint) and the lanes' (keyed by
 -- outbox.lanes' oid). Each step runs before the next because the next reads
 -- its result.
--- held: the hashes of the keys this transaction locked one by one before
+-- lock_key: the hashes of this statement's keys, each once; held: the
+-- hashes of the keys this transaction locked one by one before
 -- this statement (NULL once it holds the lock on all keys); new: this
 -- statement's keys not among them, in order; after: the setting once this
 -- statement's locks are taken ('*': the lock on all keys).
-, key_lock_budget AS MATERIALIZED (
+, lock_key AS MATERIALIZED (
+    SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
+    FROM key_to_lock
+    WHERE key IS NOT NULL
+), key_lock_budget AS MATERIALIZED (
     SELECT held,
            ARRAY(SELECT lock_key FROM lock_key
                  WHERE lock_key <> ALL (held)
