@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -116,6 +117,24 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def submit_until_waiting(
+    pool: ThreadPoolExecutor,
+    database_url: str,
+    application_name: str,
+    what: str,
+    call: Callable[..., T],
+    *args: object,
+    **kwargs: object,
+) -> Future[T]:
+    """``call(*args, **kwargs)`` started in ``pool``, returned once the session named
+    ``application_name`` (the one ``call`` uses) waits for a lock; ``what`` names that wait
+    in the failure."""
+    started = pool.submit(call, *args, **kwargs)
+    wait_until(lambda: waiting_on_lock(database_url, application_name), timeout=10, what=what)
+    assert not started.done()
+    return started
 
 
 def create_topic(

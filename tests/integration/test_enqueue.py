@@ -18,7 +18,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
 from outbox.enqueue import MAX_ROWS_PER_STATEMENT
-from tests.support import wait_until, waiting_on_lock
+from tests.support import submit_until_waiting, wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
 
@@ -294,15 +294,17 @@ def test_idempotency_key_race_between_two_transactions(
         first_id = outbox.enqueue(first_conn, "orders", b"first", idempotency_key="pay-9")
         with ThreadPoolExecutor(1) as pool:
             # The second INSERT must wait for the first transaction to finish.
-            second = pool.submit(
-                outbox.enqueue, second_conn, "orders", b"second", idempotency_key="pay-9"
+            second = submit_until_waiting(
+                pool,
+                database_url,
+                name,
+                "the second enqueue to block on the first",
+                outbox.enqueue,
+                second_conn,
+                "orders",
+                b"second",
+                idempotency_key="pay-9",
             )
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the second enqueue to block on the first",
-            )
-            assert not second.done()
             if first_commits:
                 first_conn.commit()
             else:

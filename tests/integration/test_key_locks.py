@@ -12,14 +12,13 @@ lock on all keys instead.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 
 import outbox
-from tests.support import wait_until, waiting_on_lock
+from tests.support import submit_until_waiting
 
 pytestmark = pytest.mark.integration
 
@@ -37,23 +36,6 @@ def _advisory_locks(conn: psycopg.Connection) -> int:
     ).fetchone()
     assert row is not None
     return int(row[0])
-
-
-def _blocked(
-    pool: ThreadPoolExecutor,
-    database_url: str,
-    name: str,
-    what: str,
-    call: Callable[..., object],
-    *args: object,
-    **kwargs: object,
-) -> Future[object]:
-    """``call(*args, **kwargs)``, started in ``pool`` (on the connection named ``name``),
-    once it waits for a lock."""
-    started = pool.submit(call, *args, **kwargs)
-    wait_until(lambda: waiting_on_lock(database_url, name), timeout=10, what=what)
-    assert not started.done()
-    return started
 
 
 def _values_of(conn: psycopg.Connection, key: str) -> list[tuple[bytes]]:
@@ -134,7 +116,7 @@ def test_past_its_budget_a_transaction_holds_back_every_keyed_enqueue_until_it_e
         outbox.enqueue_many(bulk, _keyed("bulk", budget + 1))
         outbox.enqueue(other, TOPIC, b"unkeyed")  # takes no key lock: no wait
         with ThreadPoolExecutor(1) as pool:
-            late = _blocked(
+            late = submit_until_waiting(
                 pool,
                 database_url,
                 name,
@@ -166,7 +148,7 @@ def test_a_transaction_going_past_its_budget_waits_for_the_keys_held_by_others(
         outbox.enqueue(first, TOPIC, b"first", key="shared")
         messages = [outbox.Message(TOPIC, b"second", key="shared"), *_keyed("bulk", budget)]
         with ThreadPoolExecutor(1) as pool:
-            late = _blocked(
+            late = submit_until_waiting(
                 pool,
                 database_url,
                 name,
@@ -197,7 +179,7 @@ def test_a_transaction_going_past_its_budget_is_not_deadlocked_by_one_waiting_fo
         budget = _setting(first, "max_locks_per_transaction")
         outbox.enqueue(first, TOPIC, b"first", key="shared")
         with ThreadPoolExecutor(1) as pool:
-            late = _blocked(
+            late = submit_until_waiting(
                 pool,
                 database_url,
                 name,

@@ -27,8 +27,7 @@ from tests.support import (
     read_topic,
     reads_committed,
     run_outbox_cli,
-    wait_until,
-    waiting_on_lock,
+    submit_until_waiting,
 )
 
 pytestmark = pytest.mark.integration
@@ -67,13 +66,17 @@ def test_same_key_reaches_kafka_in_commit_order_not_allocation_order(
         outbox.enqueue(first, topic, b"first", key="account-1")
         outbox.enqueue(second, topic, b"other key", key="account-2")  # no wait: another key
         with ThreadPoolExecutor(1) as pool:
-            late = pool.submit(outbox.enqueue, second, topic, b"second", key="account-1")
-            wait_until(
-                lambda: waiting_on_lock(database_url, name),
-                timeout=10,
-                what="the second transaction to wait for the first",
+            late = submit_until_waiting(
+                pool,
+                database_url,
+                name,
+                "the second transaction to wait for the first",
+                outbox.enqueue,
+                second,
+                topic,
+                b"second",
+                key="account-1",
             )
-            assert not late.done()
             first.commit()
             late.result(timeout=10)
         second.commit()
