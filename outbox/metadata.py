@@ -101,6 +101,8 @@ messages = sa.Table(
             persisted=True,
         ),
     ),
+    # Pending behind an uncertain or quarantined message of its key (0013): out of the claim's way.
+    sa.Column("held", sa.Boolean, nullable=False, server_default=_FALSE),
     sa.PrimaryKeyConstraint("id", name="messages_pkey"),
     sa.UniqueConstraint("idempotency_key", name="messages_idempotency_key_key"),
     sa.CheckConstraint(
@@ -112,7 +114,11 @@ messages = sa.Table(
         name="messages_headers_paired",
     ),
     sa.Index(
-        "messages_claimable_by_lane", "lane", "seq", postgresql_where=sa.text("state = 'pending'")
+        "messages_pending_by_lane",
+        "lane",
+        "held",
+        "seq",
+        postgresql_where=sa.text("state = 'pending'"),
     ),
     sa.Index(
         "messages_batch",
@@ -130,12 +136,12 @@ messages = sa.Table(
         ),
     ),
     sa.Index(
-        "messages_key_blockers",
+        "messages_holding_keys",
         "key_hash",
         "seq",
         postgresql_where=sa.text(
             "key IS NOT NULL AND (state IN ('in_flight', 'uncertain', 'quarantined') "
-            "OR (state = 'pending' AND failures > 0))"
+            "OR (state = 'pending' AND (failures > 0 OR held)))"
         ),
     ),
 )

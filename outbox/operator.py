@@ -40,6 +40,7 @@ from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
 from outbox.errors import OutboxError
+from outbox.holds import release_held_of
 from outbox.queries import query
 from outbox.states import State
 
@@ -197,7 +198,9 @@ def retry_quarantined(
             query("retry_quarantined"),
             {"topic": topic, "reason": reason, "decided_by": decided_by or operator_name()},
         ).fetchall()
-    return [row[0] for row in rows]
+        moved = [row[0] for row in rows]
+        release_held_of(conn, moved)
+    return moved
 
 
 #: The states an operator may discard a message from.
@@ -299,6 +302,8 @@ def _decide(
             # It changed between the check and the lock: say how, now.
             refuse_unless_allowed()
             raise DecisionRefused(f"message {message_id} changed while the decision was taken")
+        # What waited behind it goes on with it (see outbox.holds).
+        release_held_of(conn, [message_id])
     return State(row[0])
 
 

@@ -140,7 +140,7 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- each for the branches of the lanes (see PublisherStore.conn).
 -- {claimable} is this publisher's claimable messages, oldest first: one
 -- branch per lane (claimable_in_lane), each read in seq order through
--- messages_claimable_by_lane, merged (a Merge Append). A branch of a lane
+-- messages_pending_by_lane (its messages not held), merged (a Merge Append). A branch of a lane
 -- not in mine reads nothing, so a claim reads about as many entries as it
 -- takes (plus one per lane), whatever waits in other publishers' lanes.
 -- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
@@ -202,8 +202,11 @@ ORDER BY n.seq
 -- name: claimable_in_lane
 -- One branch of claim_batch's {claimable}: the messages of lane {lane} that
 -- nothing but an open batch may hold back, oldest first, if this publisher
--- holds that lane (mine); otherwise nothing is read (a one-time filter). Read
--- through messages_claimable_by_lane in seq order and tested in the branch,
+-- holds that lane (mine); otherwise nothing is read (a one-time filter). A
+-- held message (behind an uncertain or quarantined one of its key: see
+-- hold_behind_stuck) is not read at all: the lane's messages that are not
+-- held are read through messages_pending_by_lane in seq order and tested in
+-- the branch,
 -- the branch limited to what the claim takes: each branch is planned on its
 -- own, and without a limit of its own it would be planned to read its whole
 -- lane (a bitmap scan and a sort, ten times slower than the walk a claim
@@ -212,12 +215,16 @@ ORDER BY n.seq
 -- (a keyed message in flight has its key in flight), before the probe for
 -- blockers. A NOT IN in each branch would hash the open batches once per
 -- lane, 32 times per claim (55 against 9 ms for a claim made ahead while
--- 1,000 messages were in flight). {bound} is claim_horizon's bound (a claim
--- made ahead) or empty.
+-- 1,000 messages were in flight). The probe for blockers reads
+-- messages_holding_keys (its condition is that index's); it counts an earlier
+-- held message as a blocker, so a message marked held, or released, late is
+-- never claimed before an earlier one of its key. {bound} is claim_horizon's
+-- bound (a claim made ahead) or empty.
 (SELECT m.id, m.seq, m.topic, m.key, m.value, m.header_names, m.header_values, m.fence,
         m.attempts, m.failures, m.send_alone, m.created_at, m.key_hash
  FROM outbox.messages AS m
- WHERE m.state = 'pending' AND m.lane = {lane} AND {lane} IN (SELECT lane FROM mine)
+ WHERE m.state = 'pending' AND m.lane = {lane} AND NOT m.held
+   AND {lane} IN (SELECT lane FROM mine)
    AND m.available_at <= now()
    {bound}
    AND (m.key IS NOT NULL OR m.id <> ALL ((SELECT ids FROM in_open_batches)::uuid[]))
@@ -229,9 +236,9 @@ ORDER BY n.seq
            WHERE e.key_hash = m.key_hash AND e.seq < m.seq
              AND e.key IS NOT NULL
              AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
-                  OR (e.state = 'pending' AND e.failures > 0))
+                  OR (e.state = 'pending' AND (e.failures > 0 OR e.held)))
              AND e.topic = m.topic AND e.key = m.key
-             AND NOT (e.state = 'pending' AND e.available_at <= now()))))
+             AND NOT (e.state = 'pending' AND NOT e.held AND e.available_at <= now()))))
  ORDER BY m.seq
  LIMIT {limit})
 
@@ -252,15 +259,16 @@ ORDER BY n.seq
 AND m.seq <= (SELECT seq FROM horizon)
 
 -- name: due_in_lane
--- One branch of claim_horizon's {due}: as claimable_in_lane, without the
--- test of the key. What is in flight is tested after the merge, so each
+-- One branch of claim_horizon's {due}: as claimable_in_lane (held messages
+-- are not read), without the test of the key. What is in flight is tested after the merge, so each
 -- branch reads {reach} messages: the horizon's size and one batch (the one a
 -- claim ahead is made ahead of). Should a lane hold more in flight than that
 -- at its head, the horizon comes out later than it would: a looser bound,
 -- never a message claimed out of turn.
 (SELECT m.seq, m.id
  FROM outbox.messages AS m
- WHERE m.state = 'pending' AND m.lane = {lane} AND {lane} IN (SELECT lane FROM mine)
+ WHERE m.state = 'pending' AND m.lane = {lane} AND NOT m.held
+   AND {lane} IN (SELECT lane FROM mine)
    AND m.available_at <= now()
  ORDER BY m.seq
  LIMIT {reach})
@@ -373,7 +381,7 @@ WITH outcome AS (
     -- pending row of the backlog was hashed). The state is compared under
     -- the "C" collation (the same test: states are ASCII) so that the
     -- planner cannot read it from the partial index of pending messages
-    -- (messages_claimable_by_lane) instead: the statistics of a queue table
+    -- (messages_pending_by_lane) instead: the statistics of a queue table
     -- lag behind it, and when
     -- ANALYZE last saw few pending rows, that index looks like one row to
     -- read while a backlog has filled it (a claim after a stall read 20,000
@@ -804,6 +812,153 @@ WITH moved AS (
 )
 SELECT id FROM moved
 
+-- name: hold_behind_stuck
+-- Mark held the pending messages of this publisher's lanes (%(lanes)s) that
+-- wait behind an uncertain or quarantined message of their key (its "stuck"
+-- message): a claim then reads no more of them (claimable_in_lane reads the
+-- messages that are not held). Run by the publisher with its lease recovery,
+-- in a transaction of its own; returns the ids marked.
+-- Of each key, only the messages after its first stuck message and after the
+-- last one already held are read (through messages_open_keys), so a pass
+-- reads what arrived since the last one, not the whole queue behind the key.
+-- A message in flight is left alone (its batch settles it). Whatever moves a
+-- stuck message on releases the messages held behind it (release_held_of);
+-- should that run before this pass commits and miss what it marked,
+-- release_stale_holds releases them at the next pass, and until then the
+-- claim counts them as holding their key back: late, never out of order.
+WITH stuck AS (
+    -- Read through the small partial indexes of the two states, one each.
+    SELECT DISTINCT ON (s.key_hash, s.topic, s.key) s.key_hash, s.topic, s.key, s.seq
+    FROM (SELECT key_hash, topic, key, seq, lane FROM outbox.messages
+          WHERE state = 'uncertain'
+          UNION ALL
+          SELECT key_hash, topic, key, seq, lane FROM outbox.messages
+          WHERE state = 'quarantined') AS s
+    WHERE s.key IS NOT NULL AND s.lane = ANY(%(lanes)s::smallint[])
+    ORDER BY s.key_hash, s.topic, s.key, s.seq
+), held_after AS (
+    -- The last message held: read backwards through messages_holding_keys,
+    -- whose last entries of a key are its held messages.
+    SELECT s.key_hash, s.topic, s.key,
+           greatest(s.seq, (SELECT h.seq
+                            FROM outbox.messages AS h
+                            WHERE h.key_hash = s.key_hash AND h.key IS NOT NULL
+                              AND (h.state IN ('in_flight', 'uncertain', 'quarantined')
+                                   OR (h.state = 'pending' AND (h.failures > 0 OR h.held)))
+                              AND h.state = 'pending' AND h.held
+                              AND h.topic = s.topic AND h.key = s.key
+                            ORDER BY h.seq DESC
+                            LIMIT 1)) AS seq
+    FROM stuck AS s
+), waiting AS (
+    -- Each key's next messages in seq order through messages_open_keys (its
+    -- condition is repeated for that), at most %(most)s a key: a pass is a
+    -- short transaction, and the next one goes on from there.
+    SELECT w.id
+    FROM held_after AS a,
+         LATERAL (SELECT m.id
+                  FROM outbox.messages AS m
+                  WHERE m.key_hash = a.key_hash AND m.seq > a.seq AND m.key IS NOT NULL
+                    AND m.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
+                    AND m.state = 'pending' AND NOT m.held
+                    AND m.topic = a.topic AND m.key = a.key
+                  ORDER BY m.seq
+                  LIMIT %(most)s) AS w
+)
+UPDATE outbox.messages AS m
+SET held = true
+-- Looked up by id (an array, so that the primary key is the index read).
+WHERE m.id = ANY(ARRAY(SELECT id FROM waiting))
+  AND m.state = 'pending' AND NOT m.held
+  AND m.id NOT IN (SELECT message_id FROM outbox.in_flight)
+RETURNING m.id
+
+-- name: release_keys
+-- The end of release_held_of and release_stale_holds: of each key hash in
+-- held_key, release (held = false) the held messages before the key's first
+-- uncertain or quarantined message, or all of them when it has none. Both
+-- reads go through messages_holding_keys (its condition is repeated for
+-- that): a key's first stuck message is among its first entries there, and
+-- the messages released are the ones read; they are then written by id. The bound is taken once per key
+-- (MATERIALIZED: inlined, it was taken again for every message, reading the
+-- key's entries each time). Two keys of one hash (a 64-bit hash: in practice
+-- never) are released together, up to the first stuck message of either.
+, release_bound AS MATERIALIZED (
+    SELECT k.key_hash,
+           coalesce((SELECT s.seq
+                     FROM outbox.messages AS s
+                     WHERE s.key_hash = k.key_hash AND s.key IS NOT NULL
+                       AND (s.state IN ('in_flight', 'uncertain', 'quarantined')
+                            OR (s.state = 'pending' AND (s.failures > 0 OR s.held)))
+                       AND s.state IN ('uncertain', 'quarantined')
+                     ORDER BY s.seq
+                     LIMIT 1), 9223372036854775807) AS stuck_seq
+    FROM held_key AS k
+    WHERE k.key_hash IS NOT NULL
+), released AS (
+    -- Per key, oldest first, at most %(most)s a key (LATERAL with a limit, so
+    -- that its bound is an index condition: joined whole, the planner hashed
+    -- every held message of the key). What is left is released by the next
+    -- pass's release_stale_holds, a short transaction each.
+    SELECT w.id
+    FROM release_bound AS r,
+         LATERAL (SELECT m.id
+                  FROM outbox.messages AS m
+                  WHERE m.key_hash = r.key_hash AND m.seq < r.stuck_seq AND m.key IS NOT NULL
+                    AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
+                         OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
+                    AND m.state = 'pending' AND m.held
+                  ORDER BY m.seq
+                  LIMIT %(most)s) AS w
+)
+UPDATE outbox.messages AS m
+SET held = false
+WHERE m.id = ANY(ARRAY(SELECT id FROM released))
+  AND m.state = 'pending' AND m.held
+RETURNING m.id
+
+-- name: release_held_of
+-- After messages %(ids)s moved on from uncertain or quarantined (a decision
+-- of the reconciler or an operator, in the decision's transaction or right
+-- after it): release what was held behind them ({release_keys}).
+WITH held_key AS (
+    SELECT DISTINCT key_hash
+    FROM outbox.messages
+    WHERE id = ANY(%(ids)s::uuid[]) AND key IS NOT NULL
+)
+{release_keys}
+
+-- name: release_stale_holds
+-- Release the held messages whose key has nothing uncertain or quarantined
+-- left before them ({release_keys}): those marked by a pass that committed
+-- after the decision that moved their stuck message had released its key,
+-- or held by a version of the publisher that did not release. The keys with
+-- held messages are found by skipping through messages_holding_keys from one
+-- key hash to the next (a recursive query: one probe per key, however many
+-- messages each holds).
+WITH RECURSIVE held_key (key_hash) AS (
+    (SELECT m.key_hash
+     FROM outbox.messages AS m
+     WHERE m.key IS NOT NULL
+       AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
+            OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
+       AND m.state = 'pending' AND m.held
+     ORDER BY m.key_hash
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT m.key_hash
+            FROM outbox.messages AS m
+            WHERE m.key_hash > k.key_hash AND m.key IS NOT NULL
+              AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
+                   OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
+              AND m.state = 'pending' AND m.held
+            ORDER BY m.key_hash
+            LIMIT 1)
+    FROM held_key AS k
+    WHERE k.key_hash IS NOT NULL
+)
+{release_keys}
+
 -- name: held_keys
 SELECT topic, key, held_by, state, waiting, reason, next_action
 FROM outbox.held_keys
@@ -813,19 +968,21 @@ ORDER BY topic, key
 -- Whether anything may still need a publisher: a batch open, a message
 -- uncertain and not yet escalated, or pending and not held back behind a
 -- message only an operator can move (quarantined, or uncertain and escalated).
+-- A held message waits behind an uncertain or quarantined one: the first is
+-- counted by the second line, the second needs an operator.
 SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
     OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
     OR EXISTS (
         SELECT 1
         FROM outbox.messages AS m
-        WHERE m.state = 'pending'
+        WHERE m.state = 'pending' AND NOT m.held
           AND (m.key IS NULL OR NOT EXISTS (
               SELECT 1
               FROM outbox.messages AS e
               WHERE e.key_hash = m.key_hash AND e.seq < m.seq
                 AND e.key IS NOT NULL
                 AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
-                     OR (e.state = 'pending' AND e.failures > 0))
+                     OR (e.state = 'pending' AND (e.failures > 0 OR e.held)))
                 AND e.topic = m.topic AND e.key = m.key
                 AND (e.state = 'quarantined'
                      OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL)))))
@@ -836,7 +993,8 @@ SELECT lane FROM outbox.lanes WHERE owner = %(owner)s AND lease_expires_at > now
 
 -- name: seconds_until_due
 -- Seconds until the next message needs this publisher: a pending message of
--- its lanes (%(lanes)s, from owned_lanes; not in flight) becomes claimable, a
+-- its lanes (%(lanes)s, from owned_lanes; not in flight, not held: a held one
+-- moves when the message it waits behind does) becomes claimable, a
 -- batch's lease expires, or an uncertain message can be reconciled (zero or
 -- less: now). NULL when none will. Measured by the database clock, the same
 -- clock that set those times. Only this publisher's lanes are read for
@@ -847,7 +1005,7 @@ SELECT lane FROM outbox.lanes WHERE owner = %(owner)s AND lease_expires_at > now
 -- sequential scan of the table per lane (3.6 s, against 2 ms).
 SELECT extract(epoch FROM least(
            (SELECT min(available_at) FROM outbox.messages
-            WHERE state = 'pending' AND lane = ANY(%(lanes)s::smallint[])
+            WHERE state = 'pending' AND lane = ANY(%(lanes)s::smallint[]) AND NOT held
               AND id NOT IN (SELECT message_id FROM outbox.in_flight)),
            (SELECT min(lease_expires_at) FROM outbox.batches WHERE settled_at IS NULL),
            (SELECT min(available_at) FROM outbox.messages

@@ -1046,7 +1046,8 @@ class Publisher:
     # --- between batches ------------------------------------------------------
 
     def maintain(self, *, force: bool = False) -> None:
-        """Recover expired leases and reconcile uncertain messages when their time has come."""
+        """Recover expired leases (and mark and release held messages: ``outbox.holds``) and
+        reconcile uncertain messages when their time has come."""
         now = self._clock()
         if force or now >= self._next_recovery:
             self._next_recovery = now + self.config.recovery_interval
@@ -1060,6 +1061,14 @@ class Publisher:
                     log, r.message_id, attempt=r.attempt, fence=r.fence, batch_id=r.batch_id
                 ).warning(
                     "lease of publisher %s expired, moved to %s", r.previous_owner, r.state.value
+                )
+            held, released = self.store.hold_and_release()
+            if held or released:
+                log.info(
+                    "held %d messages behind an uncertain or quarantined message of their key, "
+                    "released %d",
+                    held,
+                    released,
                 )
         if self.reconciler is not None and (force or now >= self._next_reconcile):
             self._next_reconcile = now + self.config.reconcile_interval

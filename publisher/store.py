@@ -26,6 +26,7 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
+from outbox.holds import hold_behind_stuck, release_held_of, release_stale_holds
 from outbox.queries import query
 from outbox.states import State
 from publisher.connector import connect
@@ -464,7 +465,22 @@ class PublisherStore:
                 "decided_by": decided_by,
             },
         ).fetchall()
-        return {row[0] for row in rows}
+        moved = {row[0] for row in rows}
+        # What waited behind them goes on now, not at the next hold pass.
+        release_held_of(self.conn, moved)
+        return moved
+
+    # --- held messages -----------------------------------------------------
+
+    def hold_and_release(self) -> tuple[int, int]:
+        """Mark held what waits behind a stuck message in this publisher's lanes, then
+        release held messages with nothing stuck before them; return both counts.
+
+        Two transactions: the release reads what the mark committed (see
+        ``outbox.holds``).
+        """
+        held = hold_behind_stuck(self.conn, self._owned_lanes())
+        return held, release_stale_holds(self.conn)
 
     # --- what is left to do -------------------------------------------------
 
@@ -476,12 +492,17 @@ class PublisherStore:
     def seconds_until_due(self) -> float | None:
         """Seconds until a message needs this publisher (a pending one: of its lanes);
         ``None`` if none will."""
-        lanes = [
+        row = self.conn.execute(
+            query("seconds_until_due"), {"lanes": self._owned_lanes()}
+        ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    def _owned_lanes(self) -> list[int]:
+        """The lanes this publisher owns under a live lease."""
+        return [
             lane
             for (lane,) in self.conn.execute(query("owned_lanes"), {"owner": self.publisher_id})
         ]
-        row = self.conn.execute(query("seconds_until_due"), {"lanes": lanes}).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
 
 
 #: How a note on an uncertain message (its last_error) saying why its

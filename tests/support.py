@@ -40,7 +40,7 @@ from publisher.config import DELIVERY_MODES as _DELIVERY_MODES
 from publisher.config import PublisherConfig
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
-from publisher.store import PublisherStore, Settlement
+from publisher.store import PublisherStore, Settlement, claim_statement
 from publisher.testing import config_for_tests
 from publisher.testing import publish_until_idle as publish_until_idle  # noqa: PLC0414 - re-exported
 
@@ -744,6 +744,41 @@ class ClaimingStore(PublisherStore):
                 (self.publisher_id,),
             )
         super().close()
+
+
+def plan_rows_read(node: dict[str, Any]) -> int:
+    """Rows the plan node and its children read from outbox.messages, over all their loops
+    (a node of ``EXPLAIN (ANALYZE, FORMAT JSON)``)."""
+    read = 0
+    if node.get("Relation Name") == "messages":
+        per_loop = (
+            node.get("Actual Rows", 0)
+            + node.get("Rows Removed by Filter", 0)
+            + node.get("Rows Removed by Index Recheck", 0)
+        )
+        read += int(per_loop * node.get("Actual Loops", 1))
+    for child in node.get("Plans", []):
+        read += plan_rows_read(child)
+    return read
+
+
+def claim_rows_read(store: PublisherStore, *, ahead: bool = False) -> int:
+    """Rows of outbox.messages the store's claim of up to 500 reads (``ahead``: made ahead,
+    with a horizon of 1,000), the claim rolled back.
+
+    The claim takes no parameters: the plan EXPLAIN shows is the one the
+    store prepares and reuses (test_the_store_plans_its_claim_once).
+    """
+    sql = claim_statement(
+        owner=store.publisher_id,
+        lease_seconds=30.0,
+        limit=500,
+        horizon=1_000 if ahead else None,
+    )
+    with store.conn.transaction():
+        [(plan,)] = store.conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql).fetchall()
+        raise psycopg.Rollback
+    return plan_rows_read(plan[0]["Plan"])
 
 
 def claiming_store(database_url: str) -> ClaimingStore:

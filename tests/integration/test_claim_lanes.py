@@ -1,6 +1,6 @@
 """A claim reads its own lanes only, however many messages wait in other lanes.
 
-Pending messages are indexed by lane, then seq (messages_claimable_by_lane),
+Pending messages are indexed by lane, then seq (messages_pending_by_lane),
 and the claim merges its lanes in seq order. These tests put a backlog in a
 lane another publisher owns, older than the messages of this publisher's
 lanes, and check what the claim takes and how many rows its plan reads:
@@ -19,8 +19,8 @@ import pytest
 
 import outbox
 from outbox.queries import query
-from publisher.store import LANES, claim_statement
-from tests.support import ClaimingStore, claiming_store
+from publisher.store import LANES
+from tests.support import ClaimingStore, claim_rows_read, claiming_store, plan_rows_read
 
 pytestmark = pytest.mark.integration
 
@@ -86,39 +86,6 @@ def other_lane_backlog(
         store.close()
 
 
-def _rows_read(node: dict[str, Any]) -> int:
-    """Rows the plan node and its children read from outbox.messages, over all their loops."""
-    read = 0
-    if node.get("Relation Name") == "messages":
-        per_loop = (
-            node.get("Actual Rows", 0)
-            + node.get("Rows Removed by Filter", 0)
-            + node.get("Rows Removed by Index Recheck", 0)
-        )
-        read += int(per_loop * node.get("Actual Loops", 1))
-    for child in node.get("Plans", []):
-        read += _rows_read(child)
-    return read
-
-
-def _claim_rows_read(store: ClaimingStore, *, ahead: bool) -> int:
-    """Rows of outbox.messages the claim's plan reads, the claim rolled back.
-
-    The claim takes no parameters: the plan EXPLAIN shows is the one the
-    store prepares and reuses (test_the_store_plans_its_claim_once).
-    """
-    sql = claim_statement(
-        owner=store.publisher_id,
-        lease_seconds=30.0,
-        limit=500,
-        horizon=1_000 if ahead else None,
-    )
-    with store.conn.transaction():
-        [(plan,)] = store.conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql).fetchall()
-        raise psycopg.Rollback
-    return _rows_read(plan[0]["Plan"])
-
-
 def test_a_claim_takes_its_lanes_messages_past_another_lanes_backlog(
     other_lane_backlog: tuple[ClaimingStore, set[uuid.UUID]],
 ) -> None:
@@ -136,7 +103,7 @@ def test_a_claim_does_not_read_another_lanes_backlog(
 ) -> None:
     """A few rows per lane at most, where walking every pending message reads 5,000 more."""
     store, _ = other_lane_backlog
-    read = _claim_rows_read(store, ahead=ahead)
+    read = claim_rows_read(store, ahead=ahead)
     assert read < 10 * LANES, f"the claim read {read} rows of outbox.messages"
 
 
@@ -147,7 +114,7 @@ def test_an_empty_claim_does_not_read_another_lanes_backlog(
     store, _ = other_lane_backlog
     assert store.claim(500, 30.0) is not None  # takes the ten
     # The ten, in flight, are still pending: read and skipped.
-    read = _claim_rows_read(store, ahead=False)
+    read = claim_rows_read(store, ahead=False)
     assert read < 10 * LANES, f"the claim read {read} rows of outbox.messages"
 
 
@@ -169,7 +136,7 @@ def test_when_its_lanes_are_empty_the_publisher_is_due_at_its_own_work_only(
         [(plan,)] = store.conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + query("seconds_until_due"), {"lanes": lanes}
         ).fetchall()
-    read = _rows_read(plan[0]["Plan"])
+    read = plan_rows_read(plan[0]["Plan"])
     assert read < 10 * LANES, f"seconds_until_due read {read} rows of outbox.messages"
 
 

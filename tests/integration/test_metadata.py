@@ -201,9 +201,10 @@ def _change_generated_column(conn: psycopg.Connection[Any]) -> None:
 
 
 def _change_partial_index(conn: psycopg.Connection[Any]) -> None:
-    conn.execute("DROP INDEX outbox.messages_claimable_by_lane")
+    conn.execute("DROP INDEX outbox.messages_pending_by_lane")
     conn.execute(
-        "CREATE INDEX messages_claimable_by_lane ON outbox.messages (lane, seq) WHERE state <> 'x'"
+        "CREATE INDEX messages_pending_by_lane ON outbox.messages (lane, held, seq) "
+        "WHERE state <> 'x'"
     )
 
 

@@ -23,6 +23,7 @@ from tests.support import (
     DELIVERY_MODES,
     claiming_store,
     count_by_state,
+    fetch_rows,
     publish_until_idle,
     read_topic,
     reads_committed,
@@ -154,6 +155,10 @@ def test_quarantined_message_holds_its_key_only_until_retried(
         )
     publish_until_idle(database_url, kafka_bootstrap, delivery=delivery)
     assert count_by_state(database_url) == {"quarantined": 1, "pending": 2, "delivered": 6}
+    # The publisher's hold pass took the two waiting messages out of its claims' way.
+    assert fetch_rows(database_url, "SELECT id FROM outbox.messages WHERE held ORDER BY seq") == [
+        (i,) for i in waiting
+    ]
     committed = reads_committed(delivery)
     assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=committed)} == set(
         free

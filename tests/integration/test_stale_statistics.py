@@ -3,7 +3,7 @@
 A queue table's statistics are always late: ANALYZE samples the table while
 the publishers keep up (hardly a row pending), then a stall or a crash
 leaves a backlog of tens of thousands, and until the next ANALYZE the
-planner believes the partial index ``messages_claimable_by_lane`` holds one row. A
+planner believes the partial index ``messages_pending_by_lane`` holds one row. A
 statement that addresses messages by id but also tests ``state = 'pending'``
 may then read that whole index instead of looking each id up by its key:
 recovery did so twice over, once per message, and took 80 s for one batch
@@ -71,7 +71,7 @@ def _assert_looked_up_by_key(plan: str) -> None:
     A scan of the whole table is priced from its true size, so it is chosen
     only where it is cheap (here, a table of a few thousand rows).
     """
-    for partial in ("messages_claimable_by_lane", "messages_uncertain"):
+    for partial in ("messages_pending_by_lane", "messages_uncertain"):
         assert partial not in plan, f"read through {partial}:\n{plan}"
 
 
