@@ -1,19 +1,24 @@
 """Claims next to a backlog they cannot take: what one claim costs as that backlog grows.
 
-A claim reads the pending messages of its own lanes in ``seq`` order (the
-partial index ``messages_claimable_by_lane``, one branch per lane, merged)
-and tests each: not in an open batch, its key not held back. So pending
-messages of its lanes that it cannot take, older than the ones it can, are
-read again by every claim; those of other publishers' lanes are not read at
-all (before migration 0012 they were, at every claim). Two shapes,
+A claim reads the pending messages of its own lanes that are not held, in
+``seq`` order (the partial index ``messages_pending_by_lane``, one branch per
+lane, merged), and tests each: not in an open batch, its key not held back.
+So pending messages of its lanes that it cannot take, older than the ones it
+can, are read again by every claim unless the publisher's hold pass marked
+them held (since migration 0013); those of other publishers' lanes are not
+read at all (before migration 0012 they were, at every claim). Three shapes,
 each at several sizes N (default 0, 10,000, 100,000 and 1,000,000), one
-database per shape and size (the two of 1,000,000 take about a minute each
-to build):
+database per shape and size (those of 1,000,000 take about a minute each to
+build):
 
 * ``held``: a hot key whose oldest message is quarantined, with N pending
   messages of that key behind it (held until an operator acts), then 1,000
-  free messages of other keys. Timed: one claim of 500 free messages, undone
-  (its batch row deleted) so that every round claims the same.
+  free messages of other keys, and the hold pass run once (it marks the N).
+  Timed: one claim of 500 free messages, undone (its batch row deleted) so
+  that every round claims the same; and the hold pass itself
+  (``hold_and_release``: it finds nothing new to mark or release).
+* ``unmarked``: the same, without the hold pass: what a claim reads before
+  the pass has run (or before 0013). Timed: the same claim.
 * ``other_lanes``: N pending messages of one key, in a lane another publisher
   owns, and nothing in this publisher's lanes. Timed: one claim (it finds
   nothing), then the two statements the loop runs when a claim found nothing
@@ -72,7 +77,7 @@ def _store(url: str) -> PublisherStore:
     return store
 
 
-def build_held(url: str, held: int) -> PublisherStore:
+def build_unmarked(url: str, held: int) -> PublisherStore:
     """A quarantined head on key "hot", ``held`` messages of it behind, 1,000 free ones."""
     with psycopg.connect(url) as conn:
         head = outbox.enqueue(conn, TOPIC, b"head", key="hot")
@@ -84,6 +89,15 @@ def build_held(url: str, held: int) -> PublisherStore:
     _enqueue(url, [outbox.Message(TOPIC, b"free", key=f"k{i}") for i in range(FREE)])
     _vacuum(url)
     return _store(url)
+
+
+def build_held(url: str, held: int) -> PublisherStore:
+    """``build_unmarked``, then the hold pass: the ``held`` messages marked."""
+    store = build_unmarked(url, held)
+    marked, released = store.hold_and_release()
+    assert (marked, released) == (held, 0), (marked, released)
+    _vacuum(url)
+    return store
 
 
 def build_other_lanes(url: str, backlog: int) -> PublisherStore:
@@ -122,6 +136,13 @@ def time_held_claim(store: PublisherStore) -> float:
     return elapsed
 
 
+def time_hold_pass(store: PublisherStore) -> float:
+    """One hold pass (mark, then release) that finds nothing to do; its seconds."""
+    start = time.perf_counter()
+    assert store.hold_and_release() == (0, 0)
+    return time.perf_counter() - start
+
+
 def time_empty_claim(store: PublisherStore) -> float:
     """One claim that finds nothing; its seconds."""
     start = time.perf_counter()
@@ -144,6 +165,7 @@ def databases(base_url: str, sizes: list[int]) -> Iterator[dict[tuple[str, int],
     """Every shape at every size, built; their stores, closed and dropped afterwards."""
     builders: dict[str, Callable[[str, int], PublisherStore]] = {
         "held": build_held,
+        "unmarked": build_unmarked,
         "other_lanes": build_other_lanes,
     }
     with contextlib.ExitStack() as stack:
@@ -168,6 +190,8 @@ def main() -> None:
     base_url, _ = environment()
     timers: dict[str, tuple[str, Callable[[PublisherStore], float]]] = {
         "held_claim": ("held", time_held_claim),
+        "unmarked_claim": ("unmarked", time_held_claim),
+        "hold_pass": ("held", time_hold_pass),
         "other_lanes_claim": ("other_lanes", time_empty_claim),
         "other_lanes_idle_checks": ("other_lanes", time_idle_checks),
     }

@@ -7,7 +7,7 @@ not read it again and again: they read only the pending messages that are not
 held. Three statements keep the marks (see ``outbox/queries.sql``):
 
 * ``hold_behind_stuck`` marks what waits behind a stuck message; the
-  publisher runs it with its lease recovery, for its own lanes;
+  publisher's hold pass runs it for its own lanes (``publisher.holds``);
 * ``release_held_of`` releases what waited behind messages that moved on; a
   decision runs it with the move (the reconciler's, an operator's);
 * ``release_stale_holds`` releases held messages whose key has nothing stuck

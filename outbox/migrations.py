@@ -281,3 +281,23 @@ def _apply(
 def current_version(conn: psycopg.Connection[Any]) -> int:
     """The highest applied schema version, 0 for a database never migrated."""
     return max(applied_versions(conn), default=0)
+
+
+class SchemaBehind(MigrationError):
+    """The database lacks a migration this version ships (run ``outbox migrate``)."""
+
+
+def require_current_schema(conn: psycopg.Connection[Any], program: str) -> None:
+    """Raise ``SchemaBehind`` unless every migration this version ships is applied.
+
+    The publisher's statements read columns and indexes of the latest schema
+    (``held``, since 0013), so it checks at start instead of failing at its
+    first claim.
+    """
+    latest = load_migrations()[-1].version
+    version = current_version(conn)
+    if version < latest:
+        raise SchemaBehind(
+            f"{program} needs the outbox schema at version {latest} and the database is at "
+            f"version {version}: run `outbox migrate` first (docs/operations.md, Upgrading)"
+        )

@@ -816,8 +816,8 @@ SELECT id FROM moved
 -- Mark held the pending messages of this publisher's lanes (%(lanes)s) that
 -- wait behind an uncertain or quarantined message of their key (its "stuck"
 -- message): a claim then reads no more of them (claimable_in_lane reads the
--- messages that are not held). Run by the publisher with its lease recovery,
--- in a transaction of its own; returns the ids marked.
+-- messages that are not held). Run by the publisher's hold pass
+-- (publisher/holds.py), in a transaction of its own; returns the ids marked.
 -- Of each key, only the messages after its first stuck message and after the
 -- last one already held are read (through messages_open_keys), so a pass
 -- reads what arrived since the last one, not the whole queue behind the key.

@@ -26,6 +26,7 @@ from publisher.endpoints import EndpointServer
 from publisher.faults import Faults
 from publisher.fencing import KafkaFencer
 from publisher.health import KafkaClusterCheck
+from publisher.holds import HoldRunner
 from publisher.kafka_security import KafkaSecurity, check_login
 from publisher.loop import Publisher, Totals
 from publisher.metrics import StatusReader
@@ -74,6 +75,9 @@ def build_publisher(
         reconciler=reconciler,
         heartbeat_store=PublisherStore(config.database_url, publisher_id),
         claim_ahead_store=PublisherStore(config.database_url, publisher_id),
+        holds=HoldRunner(
+            PublisherStore(config.database_url, publisher_id), interval=config.recovery_interval
+        ),
         faults=faults,
         version=outbox.__version__,
         pid=os.getpid(),

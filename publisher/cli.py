@@ -3,9 +3,10 @@
 Settings come from flags, environment variables and an optional TOML file
 (``publisher.config``); ``publisher.app`` builds and runs what they
 describe. SIGTERM or SIGINT stops claiming; the batch in hand is sent, its
-outcomes are recorded, and the process exits 0. Exit code 2
-means the configuration was refused (every problem is printed), 1 that the
-publisher failed (including an HTTP address it cannot listen on).
+outcomes are recorded, and the process exits 0. Exit code 2 means the
+configuration was refused (every problem is printed) or the database lacks a
+migration this version ships, 1 that the publisher failed (including an HTTP
+address it cannot listen on).
 
 ``outbox-publisher reconcile`` runs one recovery and reconciliation pass
 and exits (``publisher.reconcile_cli``): the operator command that reads
@@ -25,6 +26,7 @@ from types import FrameType
 
 from prometheus_client import disable_created_metrics
 
+from outbox.migrations import SchemaBehind
 from outbox.redaction import SecretSafeArgumentParser
 from publisher.app import build_app
 from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, PublisherConfig, resolve
@@ -127,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one exit 
     except KafkaAuthenticationFailed as exc:
         log.error("%s", exc)  # one line: a traceback would add nothing
         return 1
+    except SchemaBehind as exc:
+        log.error("%s", exc)
+        return 2
     except Exception:
         log.exception("publisher failed")
         return 1

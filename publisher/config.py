@@ -628,7 +628,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("exit_when_idle", bool, "exit 0 once nothing is in flight, awaiting reconciliation "
             "or pending (except behind a message only an operator can move); for scripts and "
             "tests", "batches and leases", flag_sets=True),
-    Setting("recovery_interval", float, "seconds between passes that recover expired leases",
+    Setting("recovery_interval", float, "seconds between passes that recover expired leases "
+            "(and hold or release the messages behind an uncertain or quarantined one)",
             "recovery and reconciliation", metavar="SECONDS"),
     Setting("reconcile_interval", float, "seconds between reconciliation passes over uncertain "
             "messages; 0 for none", "recovery and reconciliation", metavar="SECONDS"),

@@ -43,6 +43,7 @@ from publisher.config import PublisherConfig
 from publisher.faults import Faults
 from publisher.health import Health, KafkaProbe
 from publisher.heartbeat import Heartbeat
+from publisher.holds import HoldRunner
 from publisher.lanes import LaneKeeper
 from publisher.logs import MessageLog
 from publisher.metrics import PublisherMetrics, StatusRead, StatusReader
@@ -115,6 +116,7 @@ class Publisher:
         kafka_check: Callable[[], None] | None = None,
         kafka_probe_interval: float = 10.0,
         retention: RetentionRunner | None = None,
+        holds: HoldRunner | None = None,
         claim_ahead_store: PublisherStore | None = None,
         spans: BatchSpans | None = None,
     ) -> None:
@@ -124,6 +126,8 @@ class Publisher:
         self._transactional = config.delivery == "transactional"
         #: Runs retention (``outbox purge``) in the background, when configured.
         self.retention = retention
+        #: Marks and releases held messages in the background (``publisher.holds``).
+        self.holds = holds
         #: With a store of its own (its own connection), the next batch is
         #: claimed in a worker thread while this one is being sent.
         self._ahead_store = claim_ahead_store
@@ -285,6 +289,14 @@ class Publisher:
         if self.retention is not None:
             self.retention.start()
             self.health.threads.append(self.retention)
+        if self.holds is not None:
+            # The first pass before the first claim, now that the lanes are taken.
+            try:
+                self.holds.run_once()
+            except psycopg.Error as exc:
+                log.warning("hold pass failed (%s); the next one comes in its interval", exc)
+            self.holds.start()
+            self.health.threads.append(self.holds)
         self.health.loop_started()
         log.info(
             "publisher %s started (batch %d, lease %gs, poll %gs)",
@@ -300,6 +312,8 @@ class Publisher:
         self.health.loop_ended()
         if self.retention is not None:
             self.retention.stop()
+        if self.holds is not None:
+            self.holds.stop()
         self.health.registered = False
         self.waker.stop()
         if self._kafka_probe is not None:
@@ -1046,8 +1060,7 @@ class Publisher:
     # --- between batches ------------------------------------------------------
 
     def maintain(self, *, force: bool = False) -> None:
-        """Recover expired leases (and mark and release held messages: ``outbox.holds``) and
-        reconcile uncertain messages when their time has come."""
+        """Recover expired leases and reconcile uncertain messages when their time has come."""
         now = self._clock()
         if force or now >= self._next_recovery:
             self._next_recovery = now + self.config.recovery_interval
@@ -1061,14 +1074,6 @@ class Publisher:
                     log, r.message_id, attempt=r.attempt, fence=r.fence, batch_id=r.batch_id
                 ).warning(
                     "lease of publisher %s expired, moved to %s", r.previous_owner, r.state.value
-                )
-            held, released = self.store.hold_and_release()
-            if held or released:
-                log.info(
-                    "held %d messages behind an uncertain or quarantined message of their key, "
-                    "released %d",
-                    held,
-                    released,
                 )
         if self.reconciler is not None and (force or now >= self._next_reconcile):
             self._next_reconcile = now + self.config.reconcile_interval

@@ -1,12 +1,12 @@
 """One small base for the publisher's background threads.
 
-The heartbeat, the NOTIFY listener, retention, the Kafka probe and the HTTP
-endpoints each run beside the loop in a daemon thread of their own, so that
-none of them waits for a batch and a stuck loop holds up none of them. They
-share one shape, after River's services: ``run_once`` is one turn of the
-work, which tests call directly; ``start`` runs turns in the thread, an
-interval apart, waiting on a stop event; ``stop`` sets the event, so a
-waiting thread ends at once, and joins it.
+The heartbeat, the NOTIFY listener, retention, the hold pass, the Kafka
+probe and the HTTP endpoints each run beside the loop in a daemon thread of
+their own, so that none of them waits for a batch and a stuck loop holds up
+none of them. They share one shape, after River's services: ``run_once`` is
+one turn of the work, which tests call directly; ``start`` runs turns in the
+thread, an interval apart, waiting on a stop event; ``stop`` sets the event,
+so a waiting thread ends at once, and joins it.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.holds import hold_behind_stuck, release_held_of, release_stale_holds
+from outbox.migrations import require_current_schema
 from outbox.queries import query
 from outbox.states import State
 from publisher.connector import connect
@@ -207,7 +208,9 @@ class PublisherStore:
     # --- the publisher's own record ---------------------------------------
 
     def register(self, version: str, pid: int) -> None:
-        """Record this publisher process in ``outbox.publishers``."""
+        """Record this publisher process in ``outbox.publishers``; raise ``SchemaBehind`` if
+        the database lacks a migration this version ships."""
+        require_current_schema(self.conn, "outbox-publisher")
         self.conn.execute(
             query("register_publisher"),
             {"id": self.publisher_id, "host": socket.gethostname(), "pid": pid, "version": version},

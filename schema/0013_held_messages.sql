@@ -8,11 +8,12 @@
 -- 500 free messages took 100 ms next to 100,000 held ones and 800 ms next to
 -- a million: benchmarks/claim_scale.py, docs/performance.md).
 --
--- Such a message is now marked held: a pass of the publisher (with its lease
--- recovery) marks the pending messages behind an uncertain or quarantined
--- message of their key, and whatever moves that message on (the reconciler's
--- decision, an operator's) releases them; the pass also releases any whose
--- key has nothing uncertain or quarantined left before them. The claim reads
+-- Such a message is now marked held: a pass of the publisher (every
+-- --recovery-interval, beside its loop) marks the pending messages behind an
+-- uncertain or quarantined message of their key, and whatever moves that
+-- message on (the reconciler's decision, an operator's) releases them; the
+-- pass also releases any whose key has nothing uncertain or quarantined left
+-- before them. The claim reads
 -- only the messages that are not held (held is the second column of the
 -- index of pending messages, after the lane), so held ones cost it nothing,
 -- and it counts a held message as holding its key back, so that a message

@@ -12,7 +12,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox.errors import MigrationError
 from outbox.migrations import current_version, load_migrations, migrate
-from tests.support import wait_until, waiting_on_lock
+from tests.support import start_publisher, wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
 
@@ -200,3 +200,25 @@ def test_migrate_refuses_a_lock_timeout_or_attempts_that_cannot_work(
             migrate(empty_database_url, **kwargs)
     with psycopg.connect(empty_database_url) as conn:
         assert current_version(conn) == 0
+
+
+def test_a_publisher_refuses_to_start_on_a_schema_missing_a_migration(
+    empty_database_url: str, kafka_bootstrap: str
+) -> None:
+    """It says which version it needs and which the database has, and exits 2, instead of
+    failing at its first claim on a column the schema lacks."""
+    latest = load_migrations()[-1].version
+    migrate(empty_database_url, target=latest - 1)
+    process = start_publisher(empty_database_url, kafka_bootstrap, "--exit-when-idle")
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2, stderr
+    assert (
+        f"needs the outbox schema at version {latest} and the database is at version "
+        f"{latest - 1}: run `outbox migrate` first" in stderr
+    )
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox.publishers").fetchone() == (0,)
+    migrate(empty_database_url)
+    process = start_publisher(empty_database_url, kafka_bootstrap, "--exit-when-idle")
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
