@@ -49,7 +49,7 @@ GRANT INSERT ON outbox.wakeup TO {writer};
 GRANT USAGE ON SCHEMA outbox TO {publisher};
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {publisher};
 GRANT UPDATE (state, fence, attempts, batch_id, kafka_partition, kafka_offset, delivered_at,
-              available_at, escalated_at, last_error, failures, send_alone, updated_at)
+              available_at, escalated_at, last_error, failures, send_alone, held, updated_at)
     ON outbox.messages TO {publisher};
 GRANT INSERT (publisher_id, lease_expires_at, message_ids, key_hashes),
       UPDATE (send_began_at, write_deadline, transactional_id, partition_counts,
@@ -71,14 +71,15 @@ GRANT DELETE ON outbox.messages, outbox.attempts, outbox.decisions, outbox.batch
 -- name: operator
 -- outbox status, list and inspect (every table and view), and the decisions:
 -- resolve, retry and discard (resolve_lock, resolve_message,
--- retry_quarantined), each recorded in outbox.decisions. No DELETE: the
+-- retry_quarantined, and release_held_of for what waited behind the message),
+-- each recorded in outbox.decisions. No DELETE: the
 -- decisions an operator took cannot be erased by one (retention is the
 -- publisher role's). A decision raises the message's fence, so that a second
 -- decision made from the same reading is refused.
 GRANT USAGE ON SCHEMA outbox TO {operator};
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {operator};
 GRANT UPDATE (state, fence, kafka_partition, kafka_offset, delivered_at, available_at,
-              escalated_at, failures, last_error, updated_at)
+              escalated_at, failures, last_error, held, updated_at)
     ON outbox.messages TO {operator};
 -- Only so that resolve_lock can lock the message's lane FOR UPDATE.
 GRANT UPDATE (acquired_at) ON outbox.lanes TO {operator};
