@@ -140,9 +140,10 @@ WHERE idempotency_key = ANY(%(keys)s::text[])
 -- each for the branches of the lanes (see PublisherStore.conn).
 -- {claimable} is this publisher's claimable messages, oldest first: one
 -- branch per lane (claimable_in_lane), each read in seq order through
--- messages_pending_by_lane (its messages not held), merged (a Merge Append). A branch of a lane
--- not in mine reads nothing, so a claim reads about as many entries as it
--- takes (plus one per lane), whatever waits in other publishers' lanes.
+-- messages_pending_by_lane (its messages not held), merged (a Merge
+-- Append). A branch of a lane not in mine reads nothing, so a claim reads
+-- about as many entries as it takes (plus one per lane), whatever waits in
+-- other publishers' lanes or behind a stuck message of a key.
 -- {horizon} is empty, or (for a claim made ahead, while a batch is in flight)
 -- a bound on the candidates (claim_horizon): only the oldest few pending
 -- messages are looked at, so a claim-ahead whose keys are all in flight gives
@@ -260,9 +261,9 @@ AND m.seq <= (SELECT seq FROM horizon)
 
 -- name: due_in_lane
 -- One branch of claim_horizon's {due}: as claimable_in_lane (held messages
--- are not read), without the test of the key. What is in flight is tested after the merge, so each
--- branch reads {reach} messages: the horizon's size and one batch (the one a
--- claim ahead is made ahead of). Should a lane hold more in flight than that
+-- are not read), without the test of the key. What is in flight is tested
+-- after the merge, so each branch reads {reach} messages: the horizon's size
+-- and one batch (the one a claim ahead is made ahead of). Should a lane hold more in flight than that
 -- at its head, the horizon comes out later than it would: a looser bound,
 -- never a message claimed out of turn.
 (SELECT m.seq, m.id
@@ -879,10 +880,11 @@ RETURNING m.id
 -- uncertain or quarantined message, or all of them when it has none. Both
 -- reads go through messages_holding_keys (its condition is repeated for
 -- that): a key's first stuck message is among its first entries there, and
--- the messages released are the ones read; they are then written by id. The bound is taken once per key
--- (MATERIALIZED: inlined, it was taken again for every message, reading the
--- key's entries each time). Two keys of one hash (a 64-bit hash: in practice
--- never) are released together, up to the first stuck message of either.
+-- the messages released are the ones read; they are then written by id. The
+-- bound is taken once per key (MATERIALIZED: inlined, it was taken again for
+-- every message, reading the key's entries each time). Two keys of one hash
+-- (a 64-bit hash: in practice never) are released together, up to the first
+-- stuck message of either.
 , release_bound AS MATERIALIZED (
     SELECT k.key_hash,
            coalesce((SELECT s.seq
