@@ -263,9 +263,9 @@ AND m.seq <= (SELECT seq FROM horizon)
 -- One branch of claim_horizon's {due}: as claimable_in_lane (held messages
 -- are not read), without the test of the key. What is in flight is tested
 -- after the merge, so each branch reads {reach} messages: the horizon's size
--- and one batch (the one a claim ahead is made ahead of). Should a lane hold more in flight than that
--- at its head, the horizon comes out later than it would: a looser bound,
--- never a message claimed out of turn.
+-- and one batch (the one a claim ahead is made ahead of). Should a lane hold
+-- more in flight than that at its head, the horizon comes out later than it
+-- would: a looser bound, never a message claimed out of turn.
 (SELECT m.seq, m.id
  FROM outbox.messages AS m
  WHERE m.state = 'pending' AND m.lane = {lane} AND NOT m.held
