@@ -19,6 +19,9 @@ build):
   (``hold_and_release``: it finds nothing new to mark or release).
 * ``unmarked``: the same, without the hold pass: what a claim reads before
   the pass has run (or before 0013). Timed: the same claim.
+* ``held_idle``: the quarantined head and the N held messages behind it,
+  marked, and nothing else: a publisher with nothing it may claim. Timed: a
+  claim (it finds nothing) and the two reads after it.
 * ``other_lanes``: N pending messages of one key, in a lane another publisher
   owns, and nothing in this publisher's lanes. Timed: one claim (it finds
   nothing), then the two statements the loop runs when a claim found nothing
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 import uuid
@@ -77,8 +81,8 @@ def _store(url: str) -> PublisherStore:
     return store
 
 
-def build_unmarked(url: str, held: int) -> PublisherStore:
-    """A quarantined head on key "hot", ``held`` messages of it behind, 1,000 free ones."""
+def build_unmarked(url: str, held: int, free: int = FREE) -> PublisherStore:
+    """A quarantined head on key "hot", ``held`` messages of it behind, ``free`` free ones."""
     with psycopg.connect(url) as conn:
         head = outbox.enqueue(conn, TOPIC, b"head", key="hot")
         conn.execute(
@@ -86,14 +90,14 @@ def build_unmarked(url: str, held: int) -> PublisherStore:
             (head,),
         )
     _enqueue(url, [outbox.Message(TOPIC, b"held", key="hot") for _ in range(held)])
-    _enqueue(url, [outbox.Message(TOPIC, b"free", key=f"k{i}") for i in range(FREE)])
+    _enqueue(url, [outbox.Message(TOPIC, b"free", key=f"k{i}") for i in range(free)])
     _vacuum(url)
     return _store(url)
 
 
-def build_held(url: str, held: int) -> PublisherStore:
+def build_held(url: str, held: int, free: int = FREE) -> PublisherStore:
     """``build_unmarked``, then the hold pass: the ``held`` messages marked."""
-    store = build_unmarked(url, held)
+    store = build_unmarked(url, held, free)
     marked, released = store.hold_and_release()
     assert (marked, released) == (held, 0), (marked, released)
     _vacuum(url)
@@ -152,10 +156,11 @@ def time_empty_claim(store: PublisherStore) -> float:
     return elapsed
 
 
-def time_idle_checks(store: PublisherStore) -> float:
-    """``work_left`` and ``seconds_until_due``, as the loop runs them after an empty claim."""
+def time_idle_checks(store: PublisherStore, *, work_left: bool) -> float:
+    """``work_left`` (which should say ``work_left``) and ``seconds_until_due``, as the loop
+    runs them after an empty claim."""
     start = time.perf_counter()
-    assert store.work_left()
+    assert store.work_left() is work_left
     store.seconds_until_due()
     return time.perf_counter() - start
 
@@ -166,6 +171,7 @@ def databases(base_url: str, sizes: list[int]) -> Iterator[dict[tuple[str, int],
     builders: dict[str, Callable[[str, int], PublisherStore]] = {
         "held": build_held,
         "unmarked": build_unmarked,
+        "held_idle": lambda url, n: build_held(url, n, free=0),
         "other_lanes": build_other_lanes,
     }
     with contextlib.ExitStack() as stack:
@@ -192,8 +198,14 @@ def main() -> None:
         "held_claim": ("held", time_held_claim),
         "unmarked_claim": ("unmarked", time_held_claim),
         "hold_pass": ("held", time_hold_pass),
+        "held_idle_claim": ("held_idle", time_empty_claim),
+        # Only an operator moves the quarantined head: nothing is left to do.
+        "held_idle_checks": ("held_idle", functools.partial(time_idle_checks, work_left=False)),
         "other_lanes_claim": ("other_lanes", time_empty_claim),
-        "other_lanes_idle_checks": ("other_lanes", time_idle_checks),
+        "other_lanes_idle_checks": (
+            "other_lanes",
+            functools.partial(time_idle_checks, work_left=True),
+        ),
     }
     seconds: dict[tuple[str, int], list[float]] = {(t, n): [] for t in timers for n in sizes}
     with databases(base_url, sizes) as stores:
