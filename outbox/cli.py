@@ -32,6 +32,7 @@ from outbox.migrations import (
     DEFAULT_LOCK_TIMEOUT,
     current_version,
     migrate,
+    require_current_schema,
 )
 from outbox.operator import (
     Resolution,
@@ -338,6 +339,18 @@ def _connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
     return conn
 
 
+def _connect_to_decide(args: argparse.Namespace) -> psycopg.Connection[tuple[Any, ...]]:
+    """``_connect``, refusing a schema behind this version: a decision writes what the
+    latest migration added (``held``, since 0013), and says so before it starts."""
+    conn = _connect(args.database_url)
+    try:
+        require_current_schema(conn, f"`outbox {args.command}`")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def _migrate(args: argparse.Namespace) -> int:
     applied = migrate(
         args.database_url, lock_timeout=args.lock_timeout, lock_attempts=args.lock_attempts
@@ -415,7 +428,7 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 def _resolve(args: argparse.Namespace) -> int:
-    with _connect(args.database_url) as conn:
+    with _connect_to_decide(args) as conn:
         try:
             before = resolve(
                 conn,
@@ -437,7 +450,7 @@ def _resolve(args: argparse.Namespace) -> int:
 def _retry(args: argparse.Namespace) -> int:
     if args.quarantined and args.fence is not None:
         raise OutboxError("--fence goes with one message ID, not with --quarantined")
-    with _connect(args.database_url) as conn:
+    with _connect_to_decide(args) as conn:
         if args.quarantined:
             try:
                 ids = retry_quarantined(conn, topic=args.topic, reason=args.reason)
@@ -458,7 +471,7 @@ def _retry(args: argparse.Namespace) -> int:
 
 
 def _discard(args: argparse.Namespace) -> int:
-    with _connect(args.database_url) as conn:
+    with _connect_to_decide(args) as conn:
         try:
             before = discard(conn, args.message_id, args.reason, fence=args.fence)
         except ValueError as exc:

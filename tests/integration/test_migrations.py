@@ -10,9 +10,10 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+import outbox
 from outbox.errors import MigrationError
 from outbox.migrations import current_version, load_migrations, migrate
-from tests.support import start_publisher, wait_until, waiting_on_lock
+from tests.support import run_outbox_cli, start_publisher, wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
 
@@ -222,3 +223,33 @@ def test_a_publisher_refuses_to_start_on_a_schema_missing_a_migration(
     process = start_publisher(empty_database_url, kafka_bootstrap, "--exit-when-idle")
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
+
+
+@pytest.mark.parametrize(
+    "decision", [["discard", "ID"], ["retry", "ID"], ["retry", "--quarantined"]]
+)
+def test_an_operator_decision_refuses_a_schema_missing_a_migration(
+    empty_database_url: str, decision: list[str]
+) -> None:
+    """It names both versions and exits 2 before deciding anything, instead of failing
+    half-way on a column the schema lacks; once migrated, the same decision goes."""
+    latest = load_migrations()[-1].version
+    migrate(empty_database_url, target=latest - 1)
+    with psycopg.connect(empty_database_url) as conn:
+        message = outbox.enqueue(conn, "orders", b"v", key="k")
+        conn.execute("UPDATE outbox.messages SET state = 'quarantined' WHERE id = %s", (message,))
+    command = decision[0]
+    args = [str(message) if arg == "ID" else arg for arg in decision] + ["--reason", "checked"]
+    refused = run_outbox_cli(empty_database_url, *args)
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        f"`outbox {command}` needs the outbox schema at version {latest} and the database is "
+        f"at version {latest - 1}: run `outbox migrate` first" in refused.stderr
+    )
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute(
+            "SELECT state FROM outbox.messages WHERE id = %s", (message,)
+        ).fetchone() == ("quarantined",)
+    migrate(empty_database_url)
+    decided = run_outbox_cli(empty_database_url, *args)
+    assert decided.returncode == 0, decided.stderr
