@@ -75,9 +75,6 @@ def build_publisher(
         reconciler=reconciler,
         heartbeat_store=PublisherStore(config.database_url, publisher_id),
         claim_ahead_store=PublisherStore(config.database_url, publisher_id),
-        holds=HoldRunner(
-            PublisherStore(config.database_url, publisher_id), interval=config.recovery_interval
-        ),
         faults=faults,
         version=outbox.__version__,
         pid=os.getpid(),
@@ -87,6 +84,11 @@ def build_publisher(
             timeout_ms=min(config.request_timeout_ms, 5_000),
             security=security,
         ),
+    )
+    publisher.holds = HoldRunner(
+        PublisherStore(config.database_url, publisher_id),
+        interval=config.recovery_interval,
+        on_pass=publisher.metrics.count_holds,
     )
     if config.purge_delivered_after:
         publisher.retention = RetentionRunner(

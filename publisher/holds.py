@@ -13,6 +13,7 @@ batches. The pass opens a connection for its turn and closes it after.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import psycopg
 
@@ -27,9 +28,16 @@ class HoldRunner(BackgroundService):
 
     recoverable = (psycopg.Error,)
 
-    def __init__(self, store: PublisherStore, *, interval: float) -> None:
+    def __init__(
+        self,
+        store: PublisherStore,
+        *,
+        interval: float,
+        on_pass: Callable[[int, int], None] | None = None,
+    ) -> None:
         super().__init__(name="outbox-holds", interval=interval, join_timeout=30)
         self._store = store
+        self._on_pass = on_pass
 
     def run_once(self) -> tuple[int, int]:
         """One pass now; how many messages it marked held and how many it released."""
@@ -44,4 +52,6 @@ class HoldRunner(BackgroundService):
                 held,
                 released,
             )
+        if self._on_pass is not None:
+            self._on_pass(held, released)
         return held, released

@@ -146,6 +146,14 @@ class PublisherMetrics:
             ["table"],
             registry=r,
         )
+        self.holds = Counter(
+            "outbox_held_messages",
+            "Pending messages this publisher's hold pass marked held behind an uncertain or "
+            "quarantined message of their key (event=held), or released with nothing stuck "
+            "before them any more (event=released).",
+            ["event"],
+            registry=r,
+        )
         self.batch_seconds = Histogram(
             "outbox_batch_duration_seconds",
             "Seconds of one loop turn that claimed something, from the claim to its settle "
@@ -175,6 +183,8 @@ class PublisherMetrics:
             self.lease_losses.labels(when)
         for state in (State.PENDING, State.UNCERTAIN):
             self.recovered.labels(state.value)
+        for event in ("held", "released"):
+            self.holds.labels(event)
         self._status: StatusCollector | None = None
         if health is not None:
             r.register(HealthCollector(health))
@@ -188,6 +198,11 @@ class PublisherMetrics:
             ("batches", report.batches),
         ):
             self.purged.labels(table).inc(rows)
+
+    def count_holds(self, held: int, released: int) -> None:
+        """Count what one hold pass marked held and released."""
+        self.holds.labels("held").inc(held)
+        self.holds.labels("released").inc(released)
 
     def watch_status(self, read: StatusRead, *, cache_seconds: float = 5.0) -> StatusCollector:
         """Export the outbox's message counts, read by ``read`` at scrape time."""

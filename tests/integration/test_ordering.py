@@ -17,8 +17,10 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.app import build_publisher
 from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
+from publisher.testing import config_for_tests
 from tests.support import (
     DELIVERY_MODES,
     claiming_store,
@@ -153,12 +155,20 @@ def test_quarantined_message_holds_its_key_only_until_retried(
             [outbox.Message(topic, f"free-{i}", key=f"free-{i % 2}") for i in range(4)]
             + [outbox.Message(topic, b"unkeyed") for _ in range(2)],
         )
-    publish_until_idle(database_url, kafka_bootstrap, delivery=delivery)
+    publisher = build_publisher(config_for_tests(database_url, kafka_bootstrap, delivery=delivery))
+    publisher.run()
     assert count_by_state(database_url) == {"quarantined": 1, "pending": 2, "delivered": 6}
     # The publisher's hold pass took the two waiting messages out of its claims' way.
     assert fetch_rows(database_url, "SELECT id FROM outbox.messages WHERE held ORDER BY seq") == [
         (i,) for i in waiting
     ]
+    counted = {
+        event: publisher.metrics.registry.get_sample_value(
+            "outbox_held_messages_total", {"event": event}
+        )
+        for event in ("held", "released")
+    }
+    assert counted == {"held": 2, "released": 0}
     committed = reads_committed(delivery)
     assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=committed)} == set(
         free
