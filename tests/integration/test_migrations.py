@@ -226,7 +226,9 @@ def test_a_publisher_refuses_to_start_on_a_schema_missing_a_migration(
 
 
 @pytest.mark.parametrize(
-    "decision", [["discard", "ID"], ["retry", "ID"], ["retry", "--quarantined"]]
+    "decision",
+    [["discard", "ID"], ["retry", "ID"], ["retry", "--quarantined"]],
+    ids=["discard", "retry", "retry-quarantined"],
 )
 def test_an_operator_decision_refuses_a_schema_missing_a_migration(
     empty_database_url: str, decision: list[str]
