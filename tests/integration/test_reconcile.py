@@ -29,6 +29,7 @@ from outbox.inspection import list_messages
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
 from outbox.render import listing_text
 from outbox.states import State
+from outbox.status import read_held_keys, read_status
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
@@ -745,6 +746,45 @@ def test_a_session_the_broker_will_not_let_be_fenced_says_so_on_its_messages(
     state, *_, reason = _message(database_url, message)
     assert state == "pending"
     assert reason.startswith("proven absent: no record with its id")
+
+
+def test_the_status_and_held_keys_views_give_the_waiting_note_as_the_next_action(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """An ACL denies the fencer the session of a keyed message that a later message of its
+    key waits behind: outbox.held_keys gives the note as the key's reason, and the status
+    view's uncertain line quotes it as its next action (a publisher running, not overdue:
+    still healthy), where both said to wait for reconciliation."""
+    with psycopg.connect(database_url) as conn:
+        stuck = outbox.enqueue(conn, topic, b"first", key="k")
+    session = f"outbox-{uuid.uuid4()}-1"
+    make_uncertain_in_transaction(database_url, session)
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, topic, b"second", key="k")
+    acl = deny(kafka_bootstrap, ResourceType.TRANSACTIONAL_ID, session, ACLOperation.WRITE)
+    try:
+        assert _reconcile_once(database_url, KafkaLogScanner(kafka_bootstrap)).deferred == [stuck]
+    finally:
+        allow_again(kafka_bootstrap, acl)
+    note = _message(database_url, stuck)[-1]
+    assert note.startswith(f"reconciliation waits: the producer session {session} ")
+
+    running = claiming_store(database_url)  # a publisher holding lanes: one is running
+    try:
+        with psycopg.connect(database_url) as conn:
+            lines = read_status(conn)
+            held = [h for h in read_held_keys(conn) if h.topic == topic]
+    finally:
+        running.close()
+    [key] = held
+    assert (key.held_by, key.state, key.waiting) == (stuck, "uncertain", 1)
+    assert key.reason == f"uncertain, {note}"
+    assert key.next_action.startswith("do what the reason says: ")
+    uncertain = [line for line in lines if line.state == "uncertain" and line.messages]
+    assert [line.topic for line in uncertain] == [None, topic]  # all topics, then its own
+    for line in uncertain:
+        assert line.next_action == f"1 of them: {note} (outbox list --state uncertain shows each)"
+        assert line.healthy, line
 
 
 def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:
