@@ -19,7 +19,7 @@ INSERT INTO outbox.messages
     (id, topic, key, value, header_names, header_values, idempotency_key)
 SELECT id, topic, key, value, header_names, header_values, idempotency_key
 FROM intent
-WHERE (SELECT held FROM key_locks_held) IS NOT NULL
+WHERE (SELECT setting FROM key_locks_held) IS NOT NULL
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
 
@@ -31,7 +31,7 @@ RETURNING id
 WITH key_to_lock AS (
     SELECT topic, key FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
 ){take_key_locks}
-SELECT held FROM key_locks_held
+SELECT setting FROM key_locks_held
 
 -- name: take_key_locks
 -- The key locks of an enqueue, as common table expressions that follow
@@ -67,7 +67,7 @@ SELECT held FROM key_locks_held
 -- apart from the keys' (keyed by one bigint) and the lanes' (keyed by
 -- outbox.lanes' oid). Each step runs before the next because the next reads
 -- its result.
--- lock_key: the hashes of this statement's keys, each once; held: the
+-- lock_key: the hashes of this statement's keys, each once; taken: the
 -- hashes of the keys this transaction locked one by one before
 -- this statement (NULL once it holds the lock on all keys); new: this
 -- statement's keys not among them, in order; after: the setting once this
@@ -77,30 +77,30 @@ SELECT held FROM key_locks_held
     FROM key_to_lock
     WHERE key IS NOT NULL
 ), key_lock_budget AS MATERIALIZED (
-    SELECT held,
+    SELECT taken,
            ARRAY(SELECT lock_key FROM lock_key
-                 WHERE lock_key <> ALL (held)
+                 WHERE lock_key <> ALL (taken)
                  ORDER BY lock_key) AS new
     FROM (SELECT CASE setting WHEN '*' THEN NULL
                               WHEN '' THEN ARRAY[]::bigint[]
-                              ELSE string_to_array(setting, ',')::bigint[] END AS held
+                              ELSE string_to_array(setting, ',')::bigint[] END AS taken
           FROM (SELECT coalesce(current_setting('outbox.enqueue_key_locks', true), '')
                        AS setting) AS s) AS h
 ), all_keys_locked AS MATERIALIZED (
-    SELECT held, new, after,
-           CASE WHEN held IS NOT NULL AND after = '*'
+    SELECT taken, new, after,
+           CASE WHEN taken IS NOT NULL AND after = '*'
                 THEN pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
            END AS locked
-    FROM (SELECT held, new,
-                 CASE WHEN held IS NULL THEN '*'
-                      WHEN cardinality(held) + cardinality(new)
+    FROM (SELECT taken, new,
+                 CASE WHEN taken IS NULL THEN '*'
+                      WHEN cardinality(taken) + cardinality(new)
                            > least(current_setting('max_locks_per_transaction')::integer, 1024)
                       THEN '*'
-                      ELSE array_to_string(held || new, ',') END AS after
+                      ELSE array_to_string(taken || new, ',') END AS after
           FROM key_lock_budget) AS budget
 ), key_locks_held AS MATERIALIZED (
-    SELECT set_config('outbox.enqueue_key_locks', a.after, true) AS held,
-           CASE WHEN cardinality(a.held) = 0 AND cardinality(a.new) > 0 AND a.after <> '*'
+    SELECT set_config('outbox.enqueue_key_locks', a.after, true) AS setting,
+           CASE WHEN cardinality(a.taken) = 0 AND cardinality(a.new) > 0 AND a.after <> '*'
                      AND keys_locked.locks >= 0
                 THEN pg_advisory_xact_lock_shared('outbox.messages'::regclass::oid::integer, 0)
            END AS shared_locked
