@@ -174,8 +174,21 @@ def test_quarantined_message_holds_its_key_only_until_retried(
         free
     )
 
-    status = _outbox(database_url, "status", "--json")
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, topic, b"enqueued after the run")
+    running = claiming_store(database_url)  # a publisher holding lanes: one is running
+    try:
+        status = _outbox(database_url, "status", "--json")
+    finally:
+        running.close()
     assert status.returncode == 1
+    [pending] = [s for s in json.loads(status.stdout)["states"] if s["state"] == "pending"]
+    assert (pending["messages"], pending["healthy"]) == (3, True)
+    assert pending["next_action"] == (
+        "2 of them held behind an uncertain or quarantined message of their key "
+        "(outbox.held_keys; that state's line says what to do); the others: none, a "
+        "publisher will claim them"
+    )
     [held] = json.loads(status.stdout)["held_keys"]
     assert held["key"] == "stuck"
     assert held["held_by"] == str(held_by)
@@ -199,7 +212,7 @@ def test_quarantined_message_holds_its_key_only_until_retried(
         ).fetchall()
     assert decision == [("quarantined", "pending", "topic limit raised")]
     assert waiting
-    assert count_by_state(database_url) == {"delivered": 9}
+    assert count_by_state(database_url) == {"delivered": 10}  # and the one enqueued after the run
 
 
 @pytest.mark.parametrize("delivery", DELIVERY_MODES)

@@ -1,12 +1,13 @@
--- 0014: the next safe action of an uncertain message whose reconciliation
--- waits on Kafka, in the views an operator starts from.
+-- 0014: the views an operator starts from name the next safe action of two
+-- more kinds of waiting message.
 --
--- A message sent in a Kafka transaction is decided only once the reconciler
--- has fenced the producer session that sent it. While Kafka answers that
--- fence with an error, the reconciler says so in the message's last_error, a
--- note that starts 'reconciliation waits: ' (publisher.store.WAITING_NOTE):
--- the kind of error and what to do, for instance which ACL to grant when
--- Kafka refused it. outbox list and outbox inspect showed the note, but
+-- Uncertain messages whose reconciliation waits on Kafka. A message sent in
+-- a Kafka transaction is decided only once the reconciler has fenced the
+-- producer session that sent it. While Kafka answers that fence with an
+-- error, the reconciler says so in the message's last_error, a note that
+-- starts 'reconciliation waits: ' (publisher.store.WAITING_NOTE): the kind
+-- of error and what to do, for instance which ACL to grant when Kafka
+-- refused it. outbox list and outbox inspect showed the note, but
 -- outbox.held_keys said "awaiting reconciliation" and outbox.status "wait:
 -- the reconciler decides it", then, five minutes on, "check that publishers
 -- reconcile": the wrong next action for a message only a grant can move on.
@@ -19,9 +20,16 @@
 --   uncertain shows each), ahead of the overdue count, which says less. Its
 --   health is unchanged: a note can be a pass's passing error, so a waiting
 --   message makes the line unhealthy, as any uncertain one, only once it is
---   overdue. The note is read from the uncertain rows the view already reads
---   through messages_uncertain: no more rows than before.
+--   overdue.
 --
+-- Pending messages held behind a stuck one (held, since 0013). The pending
+-- line said "none: a publisher will claim them" while its oldest message
+-- aged behind a quarantined one. Its next action now counts the held ones
+-- and points to the line of the state that holds them; its health is
+-- unchanged (that line carries it).
+--
+-- The note and the mark are read from the rows the status view already
+-- reads, each state through its partial index: no more rows than before.
 -- Both views keep their columns, so CREATE OR REPLACE keeps their grants.
 -- Nothing is written to outbox.messages and no lock is taken on it; replacing
 -- a view waits for the reads of it in progress (outbox migrate waits at most
@@ -109,18 +117,18 @@ open AS (
     -- through its partial index.
     SELECT m.topic, 'pending'::text AS state, m.created_at, m.available_at, m.failures,
            m.attempts, m.escalated_at, NULL::uuid AS lease_owner,
-           NULL::timestamptz AS lease_expires_at, NULL::text AS waiting_note
+           NULL::timestamptz AS lease_expires_at, NULL::text AS waiting_note, m.held
     FROM outbox.messages AS m
     WHERE m.state = 'pending' AND m.id NOT IN (SELECT message_id FROM outbox.in_flight)
     UNION ALL
     SELECT m.topic, 'in_flight', m.created_at, m.available_at, m.failures, m.attempts,
-           m.escalated_at, f.lease_owner, f.lease_expires_at, NULL
+           m.escalated_at, f.lease_owner, f.lease_expires_at, NULL, false
     FROM outbox.in_flight AS f
     JOIN outbox.messages AS m ON m.id = f.message_id AND m.state = 'pending'
     UNION ALL
     -- A row left 'in_flight' (before 0007, or by hand), through messages_batch.
     SELECT m.topic, m.state, m.created_at, m.available_at, m.failures, m.attempts,
-           m.escalated_at, NULL, NULL, NULL
+           m.escalated_at, NULL, NULL, NULL, false
     FROM outbox.messages AS m
     WHERE m.state = 'in_flight'
     UNION ALL
@@ -129,12 +137,13 @@ open AS (
            -- Why its reconciliation waits, if the reconciler said so.
            CASE WHEN m.escalated_at IS NULL
                      AND starts_with(m.last_error, 'reconciliation waits: ')
-                THEN m.last_error END
+                THEN m.last_error END,
+           false
     FROM outbox.messages AS m
     WHERE m.state = 'uncertain'
     UNION ALL
     SELECT m.topic, m.state, m.created_at, m.available_at, m.failures, m.attempts,
-           m.escalated_at, NULL, NULL, NULL
+           m.escalated_at, NULL, NULL, NULL, false
     FROM outbox.messages AS m
     WHERE m.state = 'quarantined'
 ),
@@ -162,7 +171,8 @@ open_counted AS (
                               AND o.available_at < now() - interval '5 minutes')
                                                                          AS overdue,
            count(o.waiting_note)                                         AS waiting,
-           min(o.waiting_note)                                           AS waiting_note
+           min(o.waiting_note)                                           AS waiting_note,
+           count(*) FILTER (WHERE o.held)                                AS held_messages
     FROM open AS o
     GROUP BY GROUPING SETS ((o.topic, o.state), (o.state))
 ),
@@ -217,15 +227,16 @@ estimated AS (
 counted AS (
     SELECT o.topic, o.state, o.all_topics, o.messages, o.oldest_created_at, o.waiting_retry,
            o.retrying, o.attempts, o.max_failures, o.lease_owners, o.next_lease_expiry,
-           o.leases_expired, o.escalated, o.overdue, o.waiting, o.waiting_note, true AS exact
+           o.leases_expired, o.escalated, o.overdue, o.waiting, o.waiting_note, o.held_messages,
+           true AS exact
     FROM open_counted AS o
     UNION ALL
     SELECT c.topic, c.state, c.all_topics, c.messages, c.oldest_created_at, 0, 0, c.attempts,
-           0, NULL, NULL, 0, 0, 0, 0, NULL, true
+           0, NULL, NULL, 0, 0, 0, 0, NULL, 0, true
     FROM closed_counted AS c
     UNION ALL
     SELECT e.topic, 'delivered', e.all_topics, e.messages, e.oldest_created_at, 0, 0, NULL,
-           0, NULL, NULL, 0, 0, 0, 0, NULL, false
+           0, NULL, NULL, 0, 0, 0, 0, NULL, 0, false
     FROM estimated AS e
     WHERE e.all_topics OR e.messages > 0
 ),
@@ -240,14 +251,14 @@ lines AS (
     SELECT NULL::text AS topic, s.state, s.position, s.healthy, s.next_action,
            c.messages, c.oldest_created_at, c.waiting_retry, c.retrying, c.attempts,
            c.max_failures, c.lease_owners, c.next_lease_expiry, c.leases_expired, c.escalated,
-           c.overdue, c.waiting, c.waiting_note, c.exact
+           c.overdue, c.waiting, c.waiting_note, c.held_messages, c.exact
     FROM outbox.states AS s
     LEFT JOIN counted AS c ON c.state = s.state AND c.all_topics
     UNION ALL
     SELECT c.topic, s.state, s.position, s.healthy, s.next_action,
            c.messages, c.oldest_created_at, c.waiting_retry, c.retrying, c.attempts,
            c.max_failures, c.lease_owners, c.next_lease_expiry, c.leases_expired, c.escalated,
-           c.overdue, c.waiting, c.waiting_note, c.exact
+           c.overdue, c.waiting, c.waiting_note, c.held_messages, c.exact
     FROM outbox.states AS s
     JOIN counted AS c ON c.state = s.state AND NOT c.all_topics
 )
@@ -282,6 +293,11 @@ SELECT l.topic,
            WHEN coalesce(l.messages, 0) = 0 THEN 'none'
            WHEN l.state = 'pending' AND live.publishers = 0
                THEN 'no publisher is running: start outbox-publisher'
+           WHEN l.state = 'pending' AND l.held_messages > 0 THEN format(
+               '%s of them held behind an uncertain or quarantined message of their key '
+               '(outbox.held_keys; that state''s line says what to do)%s', l.held_messages,
+               CASE WHEN l.messages > l.held_messages
+                    THEN '; the others: none, a publisher will claim them' ELSE '' END)
            WHEN l.state = 'pending' THEN 'none: a publisher will claim them'
            WHEN l.state = 'in_flight' AND l.leases_expired > 0 THEN format(
                '%s lease(s) expired: their publisher died or stalled; a running publisher '
