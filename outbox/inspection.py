@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 from outbox.errors import OutboxError
 from outbox.ids import created_at
 from outbox.queries import query
-from outbox.states import State
+from outbox.states import WAITING_NOTE, State
 
 #: How far a writer's clock (which dates a message id) may run ahead of the
 #: database's (which dates claims) for the search of a purged message's
@@ -49,6 +49,11 @@ _ESCALATED_ACTION = (
     "the evidence in Kafka is gone: check the topic, then decide with "
     "outbox resolve ID --delivered|--pending|--discard --fence {fence} --reason TEXT "
     "(refused if the message changed since fence {fence})"
+)
+#: An uncertain message whose last error is the reconciler's note that it waits on Kafka.
+_WAITING_ACTION = (
+    "do what its last error says: reconciliation decides it once Kafka lets the producer "
+    "session that sent it be fenced (outbox-publisher reconcile tries now)"
 )
 #: States in which a message needs an operator (inspect exits 1).
 NEEDS_ACTION = frozenset({State.UNCERTAIN, State.QUARANTINED})
@@ -99,6 +104,8 @@ class Timeline:
         fence = self.message["fence"]
         if state is State.UNCERTAIN and self.message["escalated_at"] is not None:
             return _ESCALATED_ACTION.format(fence=fence)
+        if state is State.UNCERTAIN and (self.message["last_error"] or "").startswith(WAITING_NOTE):
+            return _WAITING_ACTION
         if state is State.PENDING and self.held_behind is not None:
             return (
                 f"none here: its key waits behind message {self.held_behind['held_by']} "

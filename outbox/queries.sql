@@ -592,7 +592,7 @@ LIMIT %(limit)s
 -- and outbox inspect show. With %(note)s NULL (the session is fenced now),
 -- such a note gives way again to the error of the message's last attempt,
 -- which outbox.attempts keeps all along; a note is told apart by its
--- %(prefix)s (publisher.store.WAITING_NOTE). Only a message still undecided at
+-- %(prefix)s (outbox.states.WAITING_NOTE). Only a message still undecided at
 -- the fence the reconciler read is written, and only when its note changes
 -- (rows whose note is already right are not even locked: a lock is a
 -- write), so a pass that fails the same way again writes nothing; a row

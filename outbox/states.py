@@ -25,3 +25,8 @@ class State(StrEnum):
 
 #: States a message can still leave: it is not finished.
 OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNCERTAIN, State.QUARANTINED)
+
+#: How the note begins that an uncertain message carries (in ``last_error``) while its
+#: reconciliation waits on Kafka: the reconciler writes it, and ``outbox inspect``, the
+#: views ``outbox.status`` and ``outbox.held_keys`` (schema/0014) tell it by this prefix.
+WAITING_NOTE = "reconciliation waits: "

@@ -59,13 +59,13 @@ from dataclasses import dataclass, field
 from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
-from outbox.states import State
+from outbox.states import WAITING_NOTE, State
 from publisher.fencing import Fencer
 from publisher.logs import MessageLog
 from publisher.outcomes import is_unreachable
 from publisher.partitioning import partition_for
 from publisher.scanner import EvidenceLost, LogScanner, Scan, ScanIncomplete
-from publisher.store import WAITING_NOTE, Decision, PublisherStore, UncertainMessage
+from publisher.store import Decision, PublisherStore, UncertainMessage
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from psycopg.types.json import Jsonb
 from outbox.holds import hold_behind_stuck, release_held_of, release_stale_holds
 from outbox.migrations import require_current_schema
 from outbox.queries import query
-from outbox.states import State
+from outbox.states import WAITING_NOTE, State
 from publisher.connector import connect
 from publisher.outcomes import AttemptOutcome
 
@@ -507,10 +507,6 @@ class PublisherStore:
             for (lane,) in self.conn.execute(query("owned_lanes"), {"owner": self.publisher_id})
         ]
 
-
-#: How a note on an uncertain message (its last_error) saying why its
-#: reconciliation waits begins (see PublisherStore.note_waiting).
-WAITING_NOTE = "reconciliation waits: "
 
 #: psycopg's prepare_threshold for the store's connection: statements are
 #: prepared only when asked to (see PublisherStore.conn).

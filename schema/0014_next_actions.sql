@@ -5,7 +5,7 @@
 -- a Kafka transaction is decided only once the reconciler has fenced the
 -- producer session that sent it. While Kafka answers that fence with an
 -- error, the reconciler says so in the message's last_error, a note that
--- starts 'reconciliation waits: ' (publisher.store.WAITING_NOTE): the kind
+-- starts 'reconciliation waits: ' (outbox.states.WAITING_NOTE): the kind
 -- of error and what to do, for instance which ACL to grant when Kafka
 -- refused it. outbox list and outbox inspect showed the note, but
 -- outbox.held_keys said "awaiting reconciliation" and outbox.status "wait:

@@ -25,7 +25,7 @@ from kafka.errors import KafkaError
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from outbox.inspection import list_messages
+from outbox.inspection import list_messages, read_timeline
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
 from outbox.render import listing_text
 from outbox.states import State
@@ -752,9 +752,10 @@ def test_the_status_and_held_keys_views_give_the_waiting_note_as_the_next_action
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
     """An ACL denies the fencer the session of a keyed message that a later message of its
-    key waits behind: outbox.held_keys gives the note as the key's reason, and the status
+    key waits behind: outbox.held_keys gives the note as the key's reason, the status
     view's uncertain line quotes it as its next action (a publisher running, not overdue:
-    still healthy), where both said to wait for reconciliation."""
+    still healthy), and outbox inspect points to it, where all three said to wait for
+    reconciliation."""
     with psycopg.connect(database_url) as conn:
         stuck = outbox.enqueue(conn, topic, b"first", key="k")
     session = f"outbox-{uuid.uuid4()}-1"
@@ -774,12 +775,15 @@ def test_the_status_and_held_keys_views_give_the_waiting_note_as_the_next_action
         with psycopg.connect(database_url) as conn:
             lines = read_status(conn)
             held = [h for h in read_held_keys(conn) if h.topic == topic]
+            timeline = read_timeline(conn, stuck)
     finally:
         running.close()
     [key] = held
     assert (key.held_by, key.state, key.waiting) == (stuck, "uncertain", 1)
     assert key.reason == f"uncertain, {note}"
     assert key.next_action.startswith("do what the reason says: ")
+    assert timeline is not None
+    assert timeline.next_action.startswith("do what its last error says: ")
     uncertain = [line for line in lines if line.state == "uncertain" and line.messages]
     assert [line.topic for line in uncertain] == [None, topic]  # all topics, then its own
     for line in uncertain:

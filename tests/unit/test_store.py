@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 
-from publisher.store import WAITING_NOTE, PublisherStore, array_literal, claim_statement
+from outbox.states import WAITING_NOTE
+from publisher.store import PublisherStore, array_literal, claim_statement
 
 
 def test_array_literal_writes_each_kind_and_refuses_the_rest() -> None:
