@@ -375,6 +375,9 @@ WITH outcome AS (
         last_error = o.error,
         failures = CASE WHEN o.counts_as_failure THEN m.failures + 1 ELSE m.failures END,
         send_alone = o.send_alone,
+        -- A pass may have marked it while it was in flight (its snapshot did
+        -- not see the claim's batch yet): once settled it waits behind nothing.
+        held = false,
         updated_at = now()
     FROM outcome AS o, closed AS c
     -- Each row is looked up by its key, whatever the statistics say. The id
@@ -445,6 +448,7 @@ WITH closed AS (
         delivered_at = now(),
         last_error = NULL,
         send_alone = false,
+        held = false,  -- as in settle_batch
         updated_at = now()
     FROM outcome AS o
     -- Looked up by key, whatever the statistics say (see settle_batch).
@@ -544,6 +548,7 @@ WITH expired AS (
             THEN '; no failure is counted, but it is suspect (its batches were recovered '
                  'twice in a row): claimed alone until settled'
             ELSE '; no failure is counted' END,
+        held = false,  -- as in settle_batch
         updated_at = now()
     FROM members AS j
     JOIN decided AS d ON d.id = j.batch_id
@@ -970,8 +975,15 @@ ORDER BY topic, key
 -- Whether anything may still need a publisher: a batch open, a message
 -- uncertain and not yet escalated, or pending and not held back behind a
 -- message only an operator can move (quarantined, or uncertain and escalated).
--- A held message waits behind an uncertain or quarantined one: the first is
--- counted by the second line, the second needs an operator.
+-- A message marked held waits behind an uncertain or quarantined one (the
+-- first is counted by the second line, the second needs an operator), or
+-- behind nothing any more: a mark can outlive its stuck message until the
+-- next hold pass releases it (a decision releases at most MOST_HELD_PER_KEY
+-- of a key, and a pass that raced the decision commits its marks after it).
+-- Such a key is work left, so that --exit-when-idle does not exit before
+-- its messages go. A key's first held message tells for all its held ones
+-- (what holds it back holds the later ones too); the keys with held
+-- messages are found as release_stale_holds finds them, one probe a key.
 SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
     OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
     OR EXISTS (
@@ -988,6 +1000,49 @@ SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
                 AND e.topic = m.topic AND e.key = m.key
                 AND (e.state = 'quarantined'
                      OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL)))))
+    OR EXISTS (
+        WITH RECURSIVE held_key (key_hash) AS (
+            (SELECT m.key_hash
+             FROM outbox.messages AS m
+             WHERE m.key IS NOT NULL
+               AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
+                    OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
+               AND m.state = 'pending' AND m.held
+             ORDER BY m.key_hash
+             LIMIT 1)
+            UNION ALL
+            SELECT (SELECT m.key_hash
+                    FROM outbox.messages AS m
+                    WHERE m.key_hash > k.key_hash AND m.key IS NOT NULL
+                      AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
+                           OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
+                      AND m.state = 'pending' AND m.held
+                    ORDER BY m.key_hash
+                    LIMIT 1)
+            FROM held_key AS k
+            WHERE k.key_hash IS NOT NULL
+        )
+        SELECT 1
+        FROM held_key AS k
+        CROSS JOIN LATERAL (
+            SELECT f.key_hash, f.seq, f.topic, f.key
+            FROM outbox.messages AS f
+            WHERE f.key_hash = k.key_hash AND f.key IS NOT NULL
+              AND (f.state IN ('in_flight', 'uncertain', 'quarantined')
+                   OR (f.state = 'pending' AND (f.failures > 0 OR f.held)))
+              AND f.state = 'pending' AND f.held
+            ORDER BY f.seq
+            LIMIT 1) AS first_held
+        WHERE NOT EXISTS (
+            SELECT 1
+            FROM outbox.messages AS e
+            WHERE e.key_hash = first_held.key_hash AND e.seq < first_held.seq
+              AND e.key IS NOT NULL
+              AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
+                   OR (e.state = 'pending' AND (e.failures > 0 OR e.held)))
+              AND e.topic = first_held.topic AND e.key = first_held.key
+              AND (e.state = 'quarantined'
+                   OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL))))
 
 -- name: owned_lanes
 -- The lanes this publisher owns under a live lease.

@@ -29,6 +29,7 @@ from tests.support import (
     ClaimingStore,
     claim_rows_read,
     claiming_store,
+    fetch_rows,
     make_uncertain,
     plan_rows_read,
 )
@@ -273,3 +274,70 @@ def test_a_long_queue_is_held_and_released_in_bounded_steps_in_order(
             # Undo the claim (its batch names the messages), so the next one sees them again.
             conn.execute("DELETE FROM outbox.batches WHERE id = %s", (batch.id,))
         assert _held(conn) == []
+
+
+def test_held_messages_with_nothing_stuck_before_them_are_work_left(
+    database_url: str, stuck_key: tuple[ClaimingStore, uuid.UUID, list[uuid.UUID]]
+) -> None:
+    """--exit-when-idle exits when no work is left. Messages held behind a quarantined or
+    escalated message wait for an operator: no work. Once that message moved on without
+    releasing them (a decision releases at most MOST_HELD_PER_KEY of a key, and a pass
+    that raced it commits its marks after it), they are work until a pass releases them."""
+    store, head, waiting = stuck_key
+    assert store.hold_and_release() == (WAITING, 0)
+    assert store.work_left() is False
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.messages SET state = 'uncertain', escalated_at = now() WHERE id = %s",
+            (head,),
+        )
+    assert store.work_left() is False
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.messages SET state = 'discarded' WHERE id = %s", (head,))
+        assert _held(conn) == waiting
+    assert store.work_left() is True
+    assert store.hold_and_release() == (0, WAITING)
+    assert store.work_left() is True  # now as pending messages
+
+
+@pytest.mark.parametrize("outcome", ["delivered", "retried", "recovered"])
+def test_a_message_marked_while_in_flight_is_not_held_once_settled(
+    database_url: str, outcome: str
+) -> None:
+    """A pass whose snapshot predates a claim can mark a message of that claim (the claim
+    writes no message row). Whichever way its batch ends, it waits behind nothing after."""
+    with psycopg.connect(database_url) as conn:
+        message = outbox.enqueue(conn, TOPIC, b"m", key="k")
+    store = claiming_store(database_url)
+    try:
+        batch = store.claim(10, lease_seconds=30)
+        assert batch is not None
+        [m] = batch.messages
+        with psycopg.connect(database_url) as conn:
+            conn.execute("UPDATE outbox.messages SET held = true WHERE id = %s", (message,))
+            if outcome == "recovered":
+                conn.execute(
+                    "UPDATE outbox.batches SET lease_expires_at = now() - interval '1 second' "
+                    "WHERE id = %s",
+                    (batch.id,),
+                )
+        if outcome == "recovered":
+            assert [r.message_id for r in store.recover_expired_leases()] == [message]
+        else:
+            settlement = (
+                Settlement(m.id, m.fence, State.DELIVERED, AttemptOutcome.DELIVERED, 0, 0)
+                if outcome == "delivered"
+                else Settlement(
+                    m.id, m.fence, State.PENDING, AttemptOutcome.FAILED, error="E", send_began=True
+                )
+            )
+            assert store.settle(batch, [settlement]) == {message}
+    finally:
+        store.close()
+    [(state, held)] = fetch_rows(
+        database_url, "SELECT state, held FROM outbox.messages WHERE id = %s", message
+    )
+    assert (state, held) == (
+        {"delivered": "delivered", "retried": "pending", "recovered": "pending"}[outcome],
+        False,
+    )
