@@ -61,10 +61,15 @@ def release_held_of(
     return cursor.rowcount
 
 
+def release_stale_holds_statement() -> str:
+    """The statement ``release_stale_holds`` runs, its parts filled in."""
+    return query("release_stale_holds").format(
+        held_key_hashes=query("held_key_hashes"), release_keys=query("release_keys")
+    )
+
+
 def release_stale_holds(conn: psycopg.Connection[Any], *, most: int = MOST_HELD_PER_KEY) -> int:
     """Release the held messages whose key has nothing stuck before them, the oldest
     ``most`` of each key; return how many."""
-    cursor = conn.execute(
-        query("release_stale_holds").format(release_keys=query("release_keys")), {"most": most}
-    )
+    cursor = conn.execute(release_stale_holds_statement(), {"most": most})
     return cursor.rowcount

@@ -935,14 +935,12 @@ WITH held_key AS (
 )
 {release_keys}
 
--- name: release_stale_holds
--- Release the held messages whose key has nothing uncertain or quarantined
--- left before them ({release_keys}): those marked by a pass that committed
--- after the decision that moved their stuck message had released its key,
--- or held by a version of the publisher that did not release. The keys with
--- held messages are found by skipping through messages_holding_keys from one
--- key hash to the next (a recursive query: one probe per key, however many
--- messages each holds).
+-- name: held_key_hashes
+-- The hashes of the keys that have held messages (held_key, a common table
+-- expression; its last row is NULL), found by skipping through
+-- messages_holding_keys from one key hash to the next: a recursive query,
+-- one probe per key, however many messages each holds. Part of
+-- release_stale_holds and work_left.
 WITH RECURSIVE held_key (key_hash) AS (
     (SELECT m.key_hash
      FROM outbox.messages AS m
@@ -964,6 +962,14 @@ WITH RECURSIVE held_key (key_hash) AS (
     FROM held_key AS k
     WHERE k.key_hash IS NOT NULL
 )
+
+-- name: release_stale_holds
+-- Release the held messages whose key has nothing uncertain or quarantined
+-- left before them ({release_keys}): those marked by a pass that committed
+-- after the decision that moved their stuck message had released its key,
+-- or held by a version of the publisher that did not release. The keys with
+-- held messages are {held_key_hashes}'s.
+{held_key_hashes}
 {release_keys}
 
 -- name: held_keys
@@ -983,7 +989,7 @@ ORDER BY topic, key
 -- Such a key is work left, so that --exit-when-idle does not exit before
 -- its messages go. A key's first held message tells for all its held ones
 -- (what holds it back holds the later ones too); the keys with held
--- messages are found as release_stale_holds finds them, one probe a key.
+-- messages are found as release_stale_holds finds them ({held_key_hashes}).
 SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
     OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
     OR EXISTS (
@@ -1001,27 +1007,7 @@ SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
                 AND (e.state = 'quarantined'
                      OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL)))))
     OR EXISTS (
-        WITH RECURSIVE held_key (key_hash) AS (
-            (SELECT m.key_hash
-             FROM outbox.messages AS m
-             WHERE m.key IS NOT NULL
-               AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
-                    OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
-               AND m.state = 'pending' AND m.held
-             ORDER BY m.key_hash
-             LIMIT 1)
-            UNION ALL
-            SELECT (SELECT m.key_hash
-                    FROM outbox.messages AS m
-                    WHERE m.key_hash > k.key_hash AND m.key IS NOT NULL
-                      AND (m.state IN ('in_flight', 'uncertain', 'quarantined')
-                           OR (m.state = 'pending' AND (m.failures > 0 OR m.held)))
-                      AND m.state = 'pending' AND m.held
-                    ORDER BY m.key_hash
-                    LIMIT 1)
-            FROM held_key AS k
-            WHERE k.key_hash IS NOT NULL
-        )
+        {held_key_hashes}
         SELECT 1
         FROM held_key AS k
         CROSS JOIN LATERAL (

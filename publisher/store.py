@@ -489,7 +489,8 @@ class PublisherStore:
 
     def work_left(self) -> bool:
         """Whether a message is pending, in flight, or uncertain and not escalated."""
-        row = self.conn.execute(query("work_left")).fetchone()
+        sql = query("work_left").format(held_key_hashes=query("held_key_hashes"))
+        row = self.conn.execute(sql).fetchone()
         return bool(row and row[0])
 
     def seconds_until_due(self) -> float | None:

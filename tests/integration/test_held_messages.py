@@ -19,7 +19,12 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.holds import MOST_HELD_PER_KEY, hold_behind_stuck, release_stale_holds
+from outbox.holds import (
+    MOST_HELD_PER_KEY,
+    hold_behind_stuck,
+    release_stale_holds,
+    release_stale_holds_statement,
+)
 from outbox.operator import discard, retry, retry_quarantined
 from outbox.queries import query
 from outbox.states import State
@@ -153,8 +158,7 @@ def test_a_pass_reads_only_what_arrived_since_the_last(
     most = {"lanes": list(range(LANES)), "most": MOST_HELD_PER_KEY}
     marking = _rows_read_by(store, query("hold_behind_stuck"), most)
     assert marking < 100, f"the mark read {marking} rows, {WAITING} of them held already"
-    sweep = query("release_stale_holds").format(release_keys=query("release_keys"))
-    releasing = _rows_read_by(store, sweep, most)
+    releasing = _rows_read_by(store, release_stale_holds_statement(), most)
     assert releasing < 100, f"the release read {releasing} rows and released none"
     assert store.hold_and_release() == (5, 0)
     with psycopg.connect(database_url) as conn:
