@@ -4,9 +4,9 @@ Settings come from flags, environment variables and an optional TOML file
 (``publisher.config``); ``publisher.app`` builds and runs what they
 describe. SIGTERM or SIGINT stops claiming; the batch in hand is sent, its
 outcomes are recorded, and the process exits 0. Exit code 2 means the
-configuration was refused (every problem is printed) or the database lacks a
-migration this version ships, 1 that the publisher failed (including an HTTP
-address it cannot listen on).
+configuration was refused (every problem is printed), the database lacks a
+migration this version ships, or the login lacks the publisher role; 1 that
+the publisher failed (including an HTTP address it cannot listen on).
 
 ``outbox-publisher reconcile`` runs one recovery and reconciliation pass
 and exits (``publisher.reconcile_cli``): the operator command that reads
@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
+import psycopg.errors
 from prometheus_client import disable_created_metrics
 
 from outbox.migrations import SchemaBehind
@@ -33,6 +34,7 @@ from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, Publishe
 from publisher.faults import Faults, FaultSpecError
 from publisher.kafka_security import KafkaAuthenticationFailed
 from publisher.logs import configure_logging
+from publisher.reconcile_cli import NEEDS_PUBLISHER_ROLE
 from publisher.reconcile_cli import main as reconcile_main
 
 log = logging.getLogger("publisher")
@@ -131,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one exit 
         return 1
     except SchemaBehind as exc:
         log.error("%s", exc)
+        return 2
+    except psycopg.errors.InsufficientPrivilege as exc:
+        log.error(
+            "%s; %s", str(exc).strip(), NEEDS_PUBLISHER_ROLE.format(command="outbox-publisher")
+        )
         return 2
     except Exception:
         log.exception("publisher failed")

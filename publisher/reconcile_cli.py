@@ -10,7 +10,8 @@ PostgreSQL.
 
 Exit codes: 0 when no message is left uncertain, 1 when some are (escalated,
 or not yet due), 2 when the command could not run (bad usage, an unreachable
-or unmigrated database, Kafka not answering).
+or unmigrated database, a login without the publisher role, Kafka not
+answering).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ COMMAND = "outbox-publisher reconcile"
 EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
 EXIT_ERROR = 2
+
+#: What a command of this package says when PostgreSQL refuses its login a table.
+NEEDS_PUBLISHER_ROLE = "`{command}` needs the publisher role (see docs/security.md)"
 
 #: The publisher's settings this command takes too, with the same flags,
 #: environment variables, config file keys and password files: where to
@@ -166,7 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_ERROR
     except (OutboxError, psycopg.Error) as exc:
-        print(f"{COMMAND}: {exc}", file=sys.stderr)
+        said = str(exc).strip()
+        if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+            said += "; " + NEEDS_PUBLISHER_ROLE.format(command=COMMAND)
+        print(f"{COMMAND}: {said}", file=sys.stderr)
         return EXIT_ERROR
     except KafkaError as exc:
         print(f"{COMMAND}: Kafka did not answer ({exc}); check --kafka-bootstrap", file=sys.stderr)

@@ -24,7 +24,13 @@ from outbox.roles import RoleNames, create_roles, granted_roles
 from outbox.status import read_open_status
 from publisher.store import PublisherStore
 from publisher.testing import publish_until_idle
-from tests.support import fetch_rows, make_uncertain, read_topic, run_outbox_cli
+from tests.support import (
+    fetch_rows,
+    make_uncertain,
+    read_topic,
+    run_outbox_cli,
+    start_publisher,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -259,6 +265,23 @@ def test_the_operator_reads_and_decides_but_enqueues_deletes_and_purges_nothing(
         "CREATE TABLE outbox.stolen (x int)",
     ):
         _refused(logins.operator_url, statement)
+
+
+@pytest.mark.parametrize(
+    "args", [["--exit-when-idle"], ["reconcile"]], ids=["publisher", "reconcile"]
+)
+def test_the_publisher_commands_refuse_a_login_without_the_publisher_role_naming_it(
+    logins: Logins, kafka_bootstrap: str, args: list[str]
+) -> None:
+    """As an operator login, outbox-publisher and its reconcile command exit 2 with one
+    line that names the role they need, not a traceback."""
+    process = start_publisher(logins.operator_url, kafka_bootstrap, *args)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2, stderr
+    assert "permission denied for table" in stderr
+    name = "outbox-publisher reconcile" if args == ["reconcile"] else "outbox-publisher"
+    assert f"`{name}` needs the publisher role (see docs/security.md)" in stderr
+    assert "Traceback" not in stderr
 
 
 def _privilege(database_url: str, role: str, table: str, privilege: str) -> bool:
