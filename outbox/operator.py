@@ -264,9 +264,7 @@ def _decide(
     evidence: Mapping[str, Any] = {
         k: v for k, v in (("partition", partition), ("offset", offset)) if v is not None
     }
-    if force_before_deadline:
-        # Kept with the decision: it was taken against the write-deadline check.
-        evidence = {**evidence, "forced_before_deadline": True}
+    # A decision the override let through says so in its evidence (resolve_message).
 
     def refuse_unless_allowed() -> None:
         # Raised inside the transaction block, a refusal rolls it (or its

@@ -788,10 +788,15 @@ WITH target AS (
       AND (%(fence)s::bigint IS NULL OR m.fence = %(fence)s::bigint)
       AND NOT (d.to_state IN ('pending', 'discarded') AND t.may_still_be_written
                AND NOT %(force_before_deadline)s::boolean)
-    RETURNING m.id, t.state AS from_state, d.to_state, d.reason
+    RETURNING m.id, t.state AS from_state, d.to_state, d.reason,
+              d.to_state IN ('pending', 'discarded') AND t.may_still_be_written AS forced
 ), logged AS (
+    -- The evidence says forced_before_deadline only when the override let the
+    -- decision through: asked for after the deadline, it overrode nothing.
     INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason, evidence)
-    SELECT id, %(decided_by)s, from_state, to_state, reason, %(evidence)s
+    SELECT id, %(decided_by)s, from_state, to_state, reason,
+           CASE WHEN forced THEN %(evidence)s::jsonb || '{"forced_before_deadline": true}'
+                ELSE %(evidence)s::jsonb END
     FROM moved
 )
 SELECT (SELECT state FROM target), EXISTS (SELECT 1 FROM moved)

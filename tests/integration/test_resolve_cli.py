@@ -157,10 +157,17 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
 @pytest.mark.parametrize(
     ("flag", "to_state"), [("--pending", "pending"), ("--discard", "discarded")]
 )
+@pytest.mark.parametrize("force", [[], ["--force-before-deadline"]], ids=["", "forced-needlessly"])
 def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
-    database_url: str, make: Callable[[str], uuid.UUID], flag: str, to_state: str
+    database_url: str,
+    make: Callable[[str], uuid.UUID],
+    flag: str,
+    to_state: str,
+    force: list[str],
 ) -> None:
-    """resolve --pending / --discard moves an uncertain or quarantined message, with a decision."""
+    """resolve --pending / --discard moves an uncertain or quarantined message, with a decision.
+    Its write deadline has passed: --force-before-deadline overrides nothing, and the
+    decision's evidence does not say it was forced."""
     message_id = make(database_url)
     [(from_state,)] = fetch_rows(database_url, "SELECT state FROM outbox.messages")
 
@@ -168,6 +175,7 @@ def test_resolve_pending_or_discard_moves_the_message_with_a_decision(
         "resolve",
         str(message_id),
         flag,
+        *force,
         "--fence",
         _fence(database_url, message_id),
         "--reason",
