@@ -24,6 +24,7 @@ from typing import Any
 
 from outbox.inspection import Listing, Timeline
 from outbox.retention import PurgeReport
+from outbox.states import State
 from outbox.status import HeldKey, StatusLine
 
 #: What ``printable`` escapes, and how: the backslash (so that an escape is never ambiguous),
@@ -156,7 +157,9 @@ def status_json(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
             # Every line carries it; the all-topics lines always exist.
             "live_publishers": lines[0].live_publishers if lines else 0,
             "topic": topic,
-            "counts": {line.state: line.messages for line in summary},
+            # Every state, as over all topics: a topic's lines are only its states with messages.
+            "counts": {state.value: 0 for state in State}
+            | {line.state: line.messages for line in summary},
             "states": [_line_json(line) for line in summary],
             "topics": topics,
             "held_keys": [asdict(h) for h in held if topic in (None, h.topic)],

@@ -212,7 +212,15 @@ def test_status_shows_every_state_per_topic_and_overall_with_the_next_action(
     only = _json(scene, "status", "--topic", scene.small, code=1)
     assert only["topic"] == scene.small
     assert only["topics"].keys() == {scene.small}
-    assert only["counts"] == {"pending": 1, "quarantined": 1}
+    # Every state, as over all topics, so that a script reads counts["in_flight"] either way.
+    assert only["counts"] == {
+        "pending": 1,
+        "in_flight": 0,
+        "delivered": 0,
+        "uncertain": 0,
+        "quarantined": 1,
+        "discarded": 0,
+    }
     assert [h["topic"] for h in only["held_keys"]] == [scene.small]
     one = run_outbox_cli(scene.url, "status", "--topic", scene.topic)
     assert f"TOPIC {scene.topic}" in one.stdout
