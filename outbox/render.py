@@ -289,7 +289,11 @@ def timeline_text(t: Timeline) -> str:
             ("headers", ", ".join(printable(h) for h in m["header_names"]) or "-"),
             ("idempotency key", _optional(m["idempotency_key"])),
             ("lane / seq", f"{m['lane']} / {m['seq']}"),
-            ("attempts", f"{m['attempts']} ({m['failures']} failed since last decision)"),
+            (
+                "attempts",
+                f"{m['attempts']} ({m['failures']} failed, counted toward --max-attempts, "
+                "since the last decision)",
+            ),
             ("fence", m["fence"]),
             ("location", f"partition {m['kafka_partition']} offset {m['kafka_offset']}"),
             ("available at", _time(m["available_at"])),

@@ -639,8 +639,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry_base_seconds", float, "first retry delay of a message Kafka did not take; "
             "doubles per attempt", "retries", metavar="SECONDS"),
     Setting("retry_cap_seconds", float, "longest retry delay", "retries", metavar="SECONDS"),
-    Setting("max_attempts", int, "attempts after which a message Kafka keeps not taking "
-            "(not written) is quarantined", "retries", metavar="N"),
+    Setting("max_attempts", int, "failures after which a message Kafka keeps not taking "
+            "(not written) is quarantined; a broker outage counts at most once", "retries",
+            metavar="N"),
     Setting("delivery_timeout_ms", int, "producer delivery timeout", "Kafka producer",
             metavar="MS"),
     Setting("request_timeout_ms", int, "producer request timeout", "Kafka producer", metavar="MS"),
