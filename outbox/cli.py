@@ -13,6 +13,7 @@ installed with the ``publisher`` extra; ``outbox reconcile`` only says so.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -91,6 +92,14 @@ def _duration(text: str) -> timedelta:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _url_after_command() -> SecretSafeArgumentParser:
+    """--database-url after the command too (`outbox status --database-url URL`); given
+    there, it wins over one before the command."""
+    after = SecretSafeArgumentParser(add_help=False)
+    after.add_argument("--database-url", default=argparse.SUPPRESS, help="as before the command")
+    return after
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = SecretSafeArgumentParser(
         prog="outbox",
@@ -108,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL, e.g. postgresql://user@host:5432/db (default: $OUTBOX_DATABASE_URL)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    migrate_cmd = commands.add_parser(
+    add_command = functools.partial(commands.add_parser, parents=[_url_after_command()])
+    migrate_cmd = add_command(
         "migrate",
         help="create or upgrade the outbox tables (safe to repeat and to run concurrently)",
         description="Apply the schema migrations this version ships that the database lacks. "
@@ -146,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
             metavar="NAME",
             help=f"with --create-roles: the {purpose} role's name (default {default})",
         )
-    status = commands.add_parser(
+    status = add_command(
         "status",
         help="how many messages are in each state, per topic and overall, and the next safe "
         "action; exits 1 if something needs you",
@@ -158,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--topic", help="only this topic's lines and held keys")
     status.add_argument("--json", action="store_true", help=_JSON_HELP)
-    inspect_cmd = commands.add_parser(
+    inspect_cmd = add_command(
         "inspect",
         help="one message's whole story: every attempt, outcome, decision; and what to do next",
         description="Show one message and its timeline: when it was enqueued, each attempt "
@@ -169,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     inspect_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
-    list_cmd = commands.add_parser(
+    list_cmd = add_command(
         "list",
         help="the messages in one state, oldest first (ids to inspect, retry, resolve, discard)",
         description="List the messages in one state, oldest first, with what matters for that "
@@ -189,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", type=_positive_int, default=50, help="at most this many (default 50)"
     )
     list_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
-    purge_cmd = commands.add_parser(
+    purge_cmd = add_command(
         "purge",
         help="delete delivered messages older than a period, in small batches",
         description="Retention. Delete delivered messages enqueued and delivered longer ago "
@@ -227,13 +237,13 @@ def _parser() -> argparse.ArgumentParser:
     purge_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)
     # Kept as a name so that whoever types it (the status view's next action
     # says it) learns where it went; main() lets it through with its old flags.
-    commands.add_parser(
+    add_command(
         "reconcile",
         help="moved: `outbox-publisher reconcile` (pip install 'pg-kafka-outbox[publisher]')",
         description=RECONCILE_MOVED,
         add_help=False,
     )
-    resolve_cmd = commands.add_parser(
+    resolve_cmd = add_command(
         "resolve",
         help="decide an uncertain or quarantined message by hand, with a reason",
         description="Record an operator's decision on one uncertain (or quarantined) message. "
@@ -268,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
         "later messages of its key); skip the check that the producer that sent it can no "
         "longer write it (write deadline passed, or its Kafka transaction session fenced)",
     )
-    retry_cmd = commands.add_parser(
+    retry_cmd = add_command(
         "retry",
         help="send a quarantined message again (releases the key it holds)",
         description="Move one quarantined message, or all of them (--quarantined, optionally "
@@ -286,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
         "--reason", default="retried by an operator", help="stored with the decision"
     )
     _fence_argument(retry_cmd, "with ID; without it, a warning")
-    discard_cmd = commands.add_parser(
+    discard_cmd = add_command(
         "discard",
         help="never deliver a pending, quarantined or uncertain message (releases its key)",
         description="Decide that one message will not be delivered. Later messages of its key "

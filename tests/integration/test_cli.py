@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import uuid
 
 import psycopg
@@ -51,6 +53,34 @@ def test_migrate_then_status_json_counts_every_state(empty_database_url: str) ->
     assert "quarantined" in table.stdout
     assert "NEEDS ACTION: read its error" in table.stdout
     assert "outbox retry ID --fence N, or outbox discard ID --fence N" in table.stdout
+
+
+def test_the_database_url_may_follow_the_command(database_url: str) -> None:
+    """`outbox status --database-url URL` works as `outbox --database-url URL status`; given
+    in both places, the one after the command is used."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, "t", b"x")
+    refused = "postgresql://nobody@127.0.0.1:1/nowhere"
+    for before in ([], ["--database-url", refused]):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "outbox.cli",
+                *before,
+                "status",
+                "--json",
+                "--database-url",
+                database_url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={k: v for k, v in os.environ.items() if k != "OUTBOX_DATABASE_URL"},
+        )
+        assert result.returncode == 1, result.stderr  # pending, and no publisher running
+        assert json.loads(result.stdout)["counts"]["pending"] == 1
 
 
 def test_status_on_healthy_database_exits_zero(database_url: str) -> None:
