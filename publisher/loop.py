@@ -58,6 +58,7 @@ from publisher.outcomes import (
     after_transaction,
     classify,
     counts_as_failure,
+    error_text,
     is_unreachable,
     retry_delay,
 )
@@ -871,7 +872,7 @@ class Publisher:
         transaction: TransactionEnd | None = None,
     ) -> Settlement:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
-        error = None if report.error is None else f"{type(report.error).__name__}: {report.error}"
+        error = None if report.error is None else error_text(report.error)
         failure_class = outcome.value
         if shared:
             # Refused together with other records of its partition: the

@@ -170,6 +170,24 @@ _LIBRDKAFKA_OUTAGES = frozenset(
 )
 
 
+def error_text(error: BaseException) -> str:
+    """How a send's error is recorded (``last_error``, ``outbox.attempts.error``): its
+    class, then what it says ("MessageSizeTooLargeError: ...").
+
+    kafka-python's errors name their class themselves ("KafkaTimeoutError: Expiring
+    1 record(s)", or with the broker's code first, "[Error 10]
+    MessageSizeTooLargeError: ..."): the class is named once, first.
+    """
+    name = type(error).__name__
+    said = str(error).strip()
+    if said.startswith("[Error ") and f"] {name}" in said:
+        said = said.split(f"] {name}", 1)[1]
+    elif said.startswith(name):
+        said = said[len(name) :]
+    said = said.removeprefix(":").strip()
+    return f"{name}: {said}" if said else name
+
+
 def is_outage(error: BaseException | None) -> bool:
     """Whether ``error`` says the broker was unreachable or unavailable, not that the record is bad.
 

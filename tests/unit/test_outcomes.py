@@ -23,6 +23,7 @@ from publisher.outcomes import (
     after_transaction,
     classify,
     counts_as_failure,
+    error_text,
     from_librdkafka,
     is_outage,
     is_unreachable,
@@ -339,3 +340,35 @@ def test_a_librdkafka_error_keeps_its_name() -> None:
 def test_unreachable_means_no_broker_at_all(error: BaseException | None, unreachable: bool) -> None:
     """Only errors that say no broker answered stand for every topic of a batch."""
     assert is_unreachable(error) is unreachable
+
+
+@pytest.mark.parametrize(
+    ("error", "recorded"),
+    [
+        (
+            kafka_errors.KafkaTimeoutError("Expiring 1 record(s)"),
+            "KafkaTimeoutError: Expiring 1 record(s)",
+        ),
+        (kafka_errors.NotLeaderForPartitionError(), "NotLeaderForPartitionError"),
+        (
+            kafka_errors.MessageSizeTooLargeError("over max.message.bytes"),
+            "MessageSizeTooLargeError: over max.message.bytes",
+        ),
+        (kafka_errors.KafkaTimeoutError(), "KafkaTimeoutError"),
+        (TopicMissing("topic 'x' does not exist"), "TopicMissing: topic 'x' does not exist"),
+        (
+            LibrdkafkaError("Local: Message timed out", "_MSG_TIMED_OUT"),
+            "LibrdkafkaError: Local: Message timed out",
+        ),
+        (
+            ValueError("a value the producer cannot encode"),
+            "ValueError: a value the producer cannot encode",
+        ),
+        (TimeoutError(), "TimeoutError"),
+    ],
+)
+def test_an_error_is_recorded_with_its_class_named_once(
+    error: BaseException, recorded: str
+) -> None:
+    """kafka-python's errors name their class themselves; others get it in front."""
+    assert error_text(error) == recorded
