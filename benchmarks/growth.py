@@ -56,8 +56,8 @@ TARGET_RATIO = 0.9
 EXPLAIN_FILE = RESULTS_DIR / "claim_explain.txt"
 HISTORY_TOPIC = "orders-history"
 QUARANTINE_ERROR = (
-    "MessageSizeTooLargeError: [Error 10] MessageSizeTooLargeError: the message is 1048712 "
-    "bytes when serialized, larger than the maximum request size"
+    "MessageSizeTooLargeError: the message is 1048712 bytes when serialized, larger than the "
+    "maximum request size"
 )
 
 # One statement per table. Message i of the history was enqueued about two

@@ -945,7 +945,7 @@ WITH held_key AS (
 -- expression; its last row is NULL), found by skipping through
 -- messages_holding_keys from one key hash to the next: a recursive query,
 -- one probe per key, however many messages each holds. Part of
--- release_stale_holds and work_left.
+-- release_stale_holds and stale_holds_left.
 WITH RECURSIVE held_key (key_hash) AS (
     (SELECT m.key_hash
      FROM outbox.messages AS m
@@ -986,15 +986,9 @@ ORDER BY topic, key
 -- Whether anything may still need a publisher: a batch open, a message
 -- uncertain and not yet escalated, or pending and not held back behind a
 -- message only an operator can move (quarantined, or uncertain and escalated).
--- A message marked held waits behind an uncertain or quarantined one (the
--- first is counted by the second line, the second needs an operator), or
--- behind nothing any more: a mark can outlive its stuck message until the
--- next hold pass releases it (a decision releases at most MOST_HELD_PER_KEY
--- of a key, and a pass that raced the decision commits its marks after it).
--- Such a key is work left, so that --exit-when-idle does not exit before
--- its messages go. A key's first held message tells for all its held ones
--- (what holds it back holds the later ones too); the keys with held
--- messages are found as release_stale_holds finds them ({held_key_hashes}).
+-- A held message waits behind an uncertain or quarantined one: the first is
+-- counted by the second line, the second needs an operator. (Or behind
+-- nothing any more, until the next hold pass releases it: stale_holds_left.)
 SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
     OR EXISTS (SELECT 1 FROM outbox.messages WHERE state = 'uncertain' AND escalated_at IS NULL)
     OR EXISTS (
@@ -1011,29 +1005,42 @@ SELECT EXISTS (SELECT 1 FROM outbox.batches WHERE settled_at IS NULL)
                 AND e.topic = m.topic AND e.key = m.key
                 AND (e.state = 'quarantined'
                      OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL)))))
-    OR EXISTS (
-        {held_key_hashes}
+
+-- name: stale_holds_left
+-- Whether a key's held messages have nothing before them that only an
+-- operator can move (quarantined, or uncertain and escalated): a mark can
+-- outlive its stuck message until the next hold pass releases it (a decision
+-- releases at most MOST_HELD_PER_KEY of a key, and a pass that raced the
+-- decision commits its marks after it). Then the key is work left, which
+-- --exit-when-idle asks once work_left says none, so that it does not exit
+-- before those messages go; a publisher that keeps running needs not ask,
+-- its next pass releases them. A key's first held message tells for all its
+-- held ones (what holds it back holds the later ones too). One probe per key
+-- with held messages ({held_key_hashes}): some 600 ms next to 100,000 keys
+-- each held behind its own quarantined message.
+{held_key_hashes}
+SELECT EXISTS (
+    SELECT 1
+    FROM held_key AS k
+    CROSS JOIN LATERAL (
+        SELECT f.key_hash, f.seq, f.topic, f.key
+        FROM outbox.messages AS f
+        WHERE f.key_hash = k.key_hash AND f.key IS NOT NULL
+          AND (f.state IN ('in_flight', 'uncertain', 'quarantined')
+               OR (f.state = 'pending' AND (f.failures > 0 OR f.held)))
+          AND f.state = 'pending' AND f.held
+        ORDER BY f.seq
+        LIMIT 1) AS first_held
+    WHERE NOT EXISTS (
         SELECT 1
-        FROM held_key AS k
-        CROSS JOIN LATERAL (
-            SELECT f.key_hash, f.seq, f.topic, f.key
-            FROM outbox.messages AS f
-            WHERE f.key_hash = k.key_hash AND f.key IS NOT NULL
-              AND (f.state IN ('in_flight', 'uncertain', 'quarantined')
-                   OR (f.state = 'pending' AND (f.failures > 0 OR f.held)))
-              AND f.state = 'pending' AND f.held
-            ORDER BY f.seq
-            LIMIT 1) AS first_held
-        WHERE NOT EXISTS (
-            SELECT 1
-            FROM outbox.messages AS e
-            WHERE e.key_hash = first_held.key_hash AND e.seq < first_held.seq
-              AND e.key IS NOT NULL
-              AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
-                   OR (e.state = 'pending' AND (e.failures > 0 OR e.held)))
-              AND e.topic = first_held.topic AND e.key = first_held.key
-              AND (e.state = 'quarantined'
-                   OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL))))
+        FROM outbox.messages AS e
+        WHERE e.key_hash = first_held.key_hash AND e.seq < first_held.seq
+          AND e.key IS NOT NULL
+          AND (e.state IN ('in_flight', 'uncertain', 'quarantined')
+               OR (e.state = 'pending' AND (e.failures > 0 OR e.held)))
+          AND e.topic = first_held.topic AND e.key = first_held.key
+          AND (e.state = 'quarantined'
+               OR (e.state = 'uncertain' AND e.escalated_at IS NOT NULL))))
 
 -- name: owned_lanes
 -- The lanes this publisher owns under a live lease.

@@ -1102,7 +1102,9 @@ class Publisher:
 
     def _idle_wait(self) -> float | None:
         """Seconds to sleep when a claim found nothing; ``None`` to exit when idle."""
-        if not self.store.work_left():
+        # Exiting also waits for held messages whose stuck message moved on (their mark
+        # goes at the next hold pass); a publisher that keeps running finds them then.
+        if not self.store.work_left(stale_holds=self.config.exit_when_idle):
             return None if self.config.exit_when_idle else self.config.poll_interval
         seconds = self.store.seconds_until_due()
         if seconds is not None and seconds > 0:

@@ -180,11 +180,11 @@ def error_text(error: BaseException) -> str:
     """
     name = type(error).__name__
     said = str(error).strip()
-    if said.startswith("[Error ") and f"] {name}" in said:
-        said = said.split(f"] {name}", 1)[1]
-    elif said.startswith(name):
-        said = said[len(name) :]
-    said = said.removeprefix(":").strip()
+    if said.startswith("[Error "):
+        _, _, rest = said.partition("] ")
+        if rest == name or rest.startswith(f"{name}: "):
+            said = rest
+    said = "" if said == name else said.removeprefix(f"{name}: ")
     return f"{name}: {said}" if said else name
 
 

@@ -487,9 +487,20 @@ class PublisherStore:
 
     # --- what is left to do -------------------------------------------------
 
-    def work_left(self) -> bool:
-        """Whether a message is pending, in flight, or uncertain and not escalated."""
-        sql = query("work_left").format(held_key_hashes=query("held_key_hashes"))
+    def work_left(self, *, stale_holds: bool = False) -> bool:
+        """Whether a message is pending, in flight, or uncertain and not escalated.
+
+        With ``stale_holds``, also whether a held message has nothing before it that only
+        an operator can move (its mark outlived its reason until the next hold pass):
+        what ``--exit-when-idle`` must not exit before. One probe per key with held
+        messages, so only then.
+        """
+        row = self.conn.execute(query("work_left")).fetchone()
+        if row and row[0]:
+            return True
+        if not stale_holds:
+            return False
+        sql = query("stale_holds_left").format(held_key_hashes=query("held_key_hashes"))
         row = self.conn.execute(sql).fetchone()
         return bool(row and row[0])
 

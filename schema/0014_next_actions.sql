@@ -24,16 +24,18 @@
 --
 -- Pending messages held behind a stuck one (held, since 0013). The pending
 -- line said "none: a publisher will claim them" while its oldest message
--- aged behind a quarantined one. Its next action now counts the held ones
--- and points to the line of the state that holds them; its health is
--- unchanged (that line carries it).
+-- aged behind a quarantined one. Its next action now counts the ones marked
+-- held (a mark can outlive its stuck message until the next hold pass) and
+-- points to the line of the state that holds them; its health is unchanged
+-- (that line carries it).
 --
 -- The note and the mark are read from the rows the status view already
 -- reads, each state through its partial index: no more rows than before.
 -- Both views keep their columns, so CREATE OR REPLACE keeps their grants.
--- Nothing is written to outbox.messages and no lock is taken on it; replacing
--- a view waits for the reads of it in progress (outbox migrate waits at most
--- --lock-timeout for them).
+-- Nothing is written to outbox.messages; the only lock on it and the other
+-- tables the views read is ACCESS SHARE, which holds back no write.
+-- Replacing a view takes it ACCESS EXCLUSIVE and so waits for the reads of
+-- it in progress (outbox migrate waits at most --lock-timeout for them).
 
 CREATE OR REPLACE VIEW outbox.held_keys AS
 WITH open AS (
@@ -294,7 +296,7 @@ SELECT l.topic,
            WHEN l.state = 'pending' AND live.publishers = 0
                THEN 'no publisher is running: start outbox-publisher'
            WHEN l.state = 'pending' AND l.held_messages > 0 THEN format(
-               '%s of them held behind an uncertain or quarantined message of their key '
+               '%s of them marked held behind an uncertain or quarantined message of their key '
                '(outbox.held_keys; that state''s line says what to do)%s', l.held_messages,
                CASE WHEN l.messages > l.held_messages
                     THEN '; the others: none, a publisher will claim them' ELSE '' END)

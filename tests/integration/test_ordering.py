@@ -174,18 +174,24 @@ def test_quarantined_message_holds_its_key_only_until_retried(
         free
     )
 
-    with psycopg.connect(database_url) as conn:
-        outbox.enqueue(conn, topic, b"enqueued after the run")
     running = claiming_store(database_url)  # a publisher holding lanes: one is running
     try:
+        only_held = _outbox(database_url, "status", "--json")
+        with psycopg.connect(database_url) as conn:
+            outbox.enqueue(conn, topic, b"enqueued after the run")
         status = _outbox(database_url, "status", "--json")
     finally:
         running.close()
+    [pending] = [s for s in json.loads(only_held.stdout)["states"] if s["state"] == "pending"]
+    assert pending["next_action"] == (
+        "2 of them marked held behind an uncertain or quarantined message of their key "
+        "(outbox.held_keys; that state's line says what to do)"
+    )
     assert status.returncode == 1
     [pending] = [s for s in json.loads(status.stdout)["states"] if s["state"] == "pending"]
     assert (pending["messages"], pending["healthy"]) == (3, True)
     assert pending["next_action"] == (
-        "2 of them held behind an uncertain or quarantined message of their key "
+        "2 of them marked held behind an uncertain or quarantined message of their key "
         "(outbox.held_keys; that state's line says what to do); the others: none, a "
         "publisher will claim them"
     )

@@ -790,6 +790,14 @@ def test_the_status_and_held_keys_views_give_the_waiting_note_as_the_next_action
         assert line.next_action == f"1 of them: {note} (outbox list --state uncertain shows each)"
         assert line.healthy, line
 
+    # Escalated, it needs a person's decision: that comes first, note or not.
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.messages SET escalated_at = now() WHERE id = %s", (stuck,))
+        [key] = [h for h in read_held_keys(conn) if h.topic == topic]
+        [line] = [line for line in read_status(conn) if line.state == "uncertain" and line.topic]
+    assert key.reason == f"uncertain, escalated: {note}"
+    assert line.next_action.startswith("1 escalated: the evidence in Kafka is gone")
+
 
 def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:
     """A fence is tried from the publisher's loop: with no broker to answer it fails

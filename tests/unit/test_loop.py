@@ -62,6 +62,8 @@ class FakeStore(PublisherStore):
         #: Whether anything is left to do, and in how many seconds (None: nothing).
         self.work: bool = False
         self.next_due: float | None = None
+        #: The stale_holds argument of each work_left.
+        self.asked_stale_holds: list[bool] = []
         #: Message ids that recovery took away before sending began.
         self.lost_before_sending: set[uuid.UUID] = set()
         #: What the next recovery pass moves.
@@ -134,9 +136,10 @@ class FakeStore(PublisherStore):
         moved, self.recovered = self.recovered, []
         return moved
 
-    def work_left(self) -> bool:
+    def work_left(self, *, stale_holds: bool = False) -> bool:
         """The prepared answer."""
         self.events.append("work_left")
+        self.asked_stale_holds.append(stale_holds)
         return self.work
 
     def seconds_until_due(self) -> float | None:
@@ -553,6 +556,8 @@ def test_run_exits_when_idle_after_registering_and_records_the_stop() -> None:
     assert events.index("mark_stopped") > events.index("work_left")
     assert events[-1] == "store.close"
     assert totals.batches == 0
+    # Before exiting it asks about held messages whose stuck message moved on, too.
+    assert store.asked_stale_holds == [True]
 
 
 def test_recovery_logs_each_moved_message_with_its_claim_and_counts_it(
@@ -678,6 +683,22 @@ def test_the_heartbeat_stops_once_the_loop_is_stuck() -> None:
     assert not publisher.heartbeat._loop_alive()
     assert publisher.heartbeat.beat() == 0  # no beat while stuck
     assert "heartbeat" not in events
+
+
+def test_a_running_publisher_does_not_ask_about_stale_holds_when_idle() -> None:
+    """Only exiting needs held messages whose stuck message moved on counted (one probe per
+    held key); a publisher that keeps running claims them after its next hold pass."""
+    events: list[str] = []
+    store = FakeStore(events, [])
+    publisher = _publisher(store, FakeSink(events), replace(CONFIG, poll_interval=0.01))
+    stopper = threading.Timer(0.2, publisher.request_stop)
+    stopper.start()
+
+    publisher.run()
+
+    stopper.join()
+    assert store.asked_stale_holds
+    assert not any(store.asked_stale_holds)
 
 
 def test_run_delivers_then_exits_when_idle() -> None:

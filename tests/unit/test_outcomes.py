@@ -365,6 +365,8 @@ def test_unreachable_means_no_broker_at_all(error: BaseException | None, unreach
             "ValueError: a value the producer cannot encode",
         ),
         (TimeoutError(), "TimeoutError"),
+        (ValueError("ValueErrors galore"), "ValueError: ValueErrors galore"),
+        (ValueError(""), "ValueError"),
     ],
 )
 def test_an_error_is_recorded_with_its_class_named_once(
