@@ -17,6 +17,7 @@ objects, so a service on psycopg alone never loads it.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import (
     AbstractAsyncContextManager,
@@ -25,6 +26,7 @@ from contextlib import (
     contextmanager,
     suppress,
 )
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
@@ -36,6 +38,13 @@ from outbox.errors import ConnectionNotSupported, NoOpenTransaction, Transaction
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
     from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+
+
+def as_uuid(value: object) -> uuid.UUID:
+    """An id as read back: a UUID, whatever loader the caller's connection has for the type
+    (a text loader returns the string)."""
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
 
 # A tuple, not a list: SQLAlchemy reads a list of parameters as "execute many".
 Params = tuple[Any, ...] | Mapping[str, Any]
@@ -49,8 +58,39 @@ _OPEN_SAVEPOINT = f"SAVEPOINT {SAVEPOINT}"
 _ROLLBACK_TO_SAVEPOINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
 _RELEASE_SAVEPOINT = f"RELEASE SAVEPOINT {SAVEPOINT}"
 
-_SYNC_HINT = "use outbox.enqueue / outbox.enqueue_many (without await)"
-_ASYNC_HINT = "use `await outbox.aio.enqueue(...)` / `await outbox.aio.enqueue_many(...)`"
+
+@dataclass(frozen=True, slots=True)
+class Purpose:
+    """What the library checks a caller's connection for, and how a refusal names it."""
+
+    #: "enqueuing": what the caller must roll back before.
+    doing: str
+    #: What a statement in autocommit mode with no transaction open would do, said in
+    #: the refusal; ``None`` when that is no problem (a read).
+    autocommit: str | None
+    #: The way out for a connection of the other kind, sync or async.
+    sync_hint: str
+    async_hint: str
+    #: Whether the statements can run in pipeline mode (a script of several cannot).
+    pipeline: bool = True
+
+
+ENQUEUE = Purpose(
+    doing="enqueuing",
+    autocommit="so the intent would commit on its own; enqueue inside a transaction",
+    sync_hint="use outbox.enqueue / outbox.enqueue_many (without await)",
+    async_hint="use `await outbox.aio.enqueue(...)` / `await outbox.aio.enqueue_many(...)`",
+)
+MIGRATE = Purpose(
+    doing="migrating",
+    autocommit="so each migration would commit on its own; migrate inside a transaction",
+    sync_hint="",  # migrate_connection has no async counterpart
+    async_hint=(
+        "migrate_connection takes a synchronous connection (on SQLAlchemy's "
+        "AsyncConnection: `await conn.run_sync(migrate_connection)`), or run `outbox migrate`"
+    ),
+    pipeline=False,
+)
 
 
 class Executor(Protocol):
@@ -193,7 +233,7 @@ class SQLAlchemyExecutor:
     @contextmanager
     def savepoint(self) -> Iterator[None]:
         """SQLAlchemy's own nested transaction, so that it knows about the savepoint."""
-        with self._conn.begin_nested():
+        with _not_streaming(self._conn), self._conn.begin_nested():
             yield
 
 
@@ -211,45 +251,68 @@ class AsyncSQLAlchemyExecutor:
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
         """SQLAlchemy's own nested transaction, so that it knows about the savepoint."""
-        async with self._conn.begin_nested():
-            yield
+        with _not_streaming(self._conn.sync_connection):
+            async with self._conn.begin_nested():
+                yield
 
 
-def executor_for(conn: object) -> Executor:
+@contextmanager
+def _not_streaming(conn: SAConnection | None) -> Iterator[None]:
+    """Turn a connection's ``stream_results`` off while a savepoint opens and ends.
+
+    SQLAlchemy sends SAVEPOINT, RELEASE and ROLLBACK TO with the connection's
+    own options, and on a streaming one runs them in a server-side cursor
+    (``DECLARE ... CURSOR FOR SAVEPOINT``: a syntax error that aborts the
+    caller's transaction). A connection's options change in place, so the
+    caller's setting is put back when the block ends.
+    """
+    if conn is None or not conn.get_execution_options().get("stream_results"):
+        yield
+        return
+    conn.execution_options(stream_results=False)
+    try:
+        yield
+    finally:
+        conn.execution_options(stream_results=True)
+
+
+def executor_for(conn: object, purpose: Purpose = ENQUEUE) -> Executor:
     """Return an executor for ``conn`` after checking it has a usable open transaction."""
     if isinstance(conn, psycopg.Connection):
         if conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            _check_pipeline(purpose)
             # In pipeline mode the transaction's status is known only at a sync point.
             # A statement of the caller's that failed meanwhile raises here.
             try:
                 with conn.pipeline() as pipeline:
                     pipeline.sync()
             except psycopg.Error as exc:
-                _failed_in_pipeline(conn, exc)
-        _check_transaction(conn)
+                _failed_in_pipeline(conn, exc, purpose)
+        _check_transaction(conn, purpose)
         return PsycopgExecutor(conn)
     if isinstance(conn, psycopg.AsyncConnection):
-        raise _wrong_kind(conn, "an async connection", _ASYNC_HINT)
+        raise _wrong_kind(conn, "an async connection", purpose.async_hint)
     if _from_sqlalchemy(conn):
-        return _sqlalchemy_executor(conn)
+        return _sqlalchemy_executor(conn, purpose)
     raise _unsupported(conn)
 
 
-async def async_executor_for(conn: object) -> AsyncExecutor:
+async def async_executor_for(conn: object, purpose: Purpose = ENQUEUE) -> AsyncExecutor:
     """Return an executor for the async ``conn`` after checking its transaction."""
     if isinstance(conn, psycopg.AsyncConnection):
         if conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            _check_pipeline(purpose)
             try:
                 async with conn.pipeline() as pipeline:
                     await pipeline.sync()
             except psycopg.Error as exc:
-                _failed_in_pipeline(conn, exc)
-        _check_transaction(conn)
+                _failed_in_pipeline(conn, exc, purpose)
+        _check_transaction(conn, purpose)
         return AsyncPsycopgExecutor(conn)
     if isinstance(conn, psycopg.Connection):
-        raise _wrong_kind(conn, "a synchronous connection", _SYNC_HINT)
+        raise _wrong_kind(conn, "a synchronous connection", purpose.sync_hint)
     if _from_sqlalchemy(conn):
-        return await _async_sqlalchemy_executor(conn)
+        return await _async_sqlalchemy_executor(conn, purpose)
     raise _unsupported(conn)
 
 
@@ -258,38 +321,42 @@ def _from_sqlalchemy(conn: object) -> bool:
     return any(cls.__module__.partition(".")[0] == "sqlalchemy" for cls in type(conn).__mro__)
 
 
-def _sqlalchemy_executor(conn: object) -> Executor:
+def _sqlalchemy_executor(conn: object, purpose: Purpose) -> Executor:
     from sqlalchemy.engine import Connection  # noqa: PLC0415 - SQLAlchemy is optional
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
     conn = unscoped(conn)
     if isinstance(conn, AsyncSession | AsyncConnection):
-        raise _wrong_kind(conn, "an async connection", _ASYNC_HINT)
+        raise _wrong_kind(conn, "an async connection", purpose.async_hint)
     if isinstance(conn, Session):
-        with _bound(conn):
+        with _bound(conn, purpose):
             conn = conn.connection()
     if not isinstance(conn, Connection):
         raise _unsupported(conn)
-    _check_driver(conn.connection.driver_connection, conn.dialect.name, conn.dialect.driver)
+    _check_valid(conn, purpose)
+    _check_driver(
+        conn.connection.driver_connection, conn.dialect.name, conn.dialect.driver, purpose
+    )
     return SQLAlchemyExecutor(conn)
 
 
-async def _async_sqlalchemy_executor(conn: object) -> AsyncExecutor:
+async def _async_sqlalchemy_executor(conn: object, purpose: Purpose) -> AsyncExecutor:
     from sqlalchemy.engine import Connection  # noqa: PLC0415 - SQLAlchemy is optional
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession  # noqa: PLC0415
     from sqlalchemy.orm import Session  # noqa: PLC0415
 
     conn = unscoped(conn)
     if isinstance(conn, Session | Connection):
-        raise _wrong_kind(conn, "a synchronous connection", _SYNC_HINT)
+        raise _wrong_kind(conn, "a synchronous connection", purpose.sync_hint)
     if isinstance(conn, AsyncSession):
-        with _bound(conn):
+        with _bound(conn, purpose):
             conn = await conn.connection()
     if not isinstance(conn, AsyncConnection):
         raise _unsupported(conn)
+    _check_valid(conn, purpose)
     raw = await conn.get_raw_connection()
-    _check_driver(raw.driver_connection, conn.dialect.name, conn.dialect.driver)
+    _check_driver(raw.driver_connection, conn.dialect.name, conn.dialect.driver, purpose)
     return AsyncSQLAlchemyExecutor(conn)
 
 
@@ -305,7 +372,7 @@ def unscoped(conn: object) -> object:
 
 
 @contextmanager
-def _bound(session: object) -> Iterator[None]:
+def _bound(session: object, purpose: Purpose) -> Iterator[None]:
     """Name the way out when a session cannot give its connection: it has no default bind
     to take one from, or its transaction failed (a flush or statement raised)."""
     from sqlalchemy.exc import PendingRollbackError, UnboundExecutionError  # noqa: PLC0415
@@ -315,7 +382,7 @@ def _bound(session: object) -> Iterator[None]:
     except PendingRollbackError as exc:
         raise TransactionAborted(
             f"the {_kind(session)}'s transaction has already failed (an earlier flush or "
-            "statement raised); roll it back before enqueuing"
+            f"statement raised); roll it back before {purpose.doing}"
         ) from exc
     except UnboundExecutionError as exc:
         raise ConnectionNotSupported(
@@ -325,14 +392,25 @@ def _bound(session: object) -> Iterator[None]:
         ) from exc
 
 
-def _check_driver(driver: object, dialect: str, name: str) -> None:
+def _check_valid(conn: SAConnection | SAAsyncConnection, purpose: Purpose) -> None:
+    """A SQLAlchemy connection invalidated in its transaction (its DBAPI connection was
+    lost, or an async task was cancelled in a statement) needs a rollback first; after
+    it, the connection reconnects on its next statement."""
+    if conn.invalidated and conn.in_transaction():
+        raise TransactionAborted(
+            f"the SQLAlchemy connection was invalidated in its transaction (its database "
+            f"connection was lost or closed); roll it back before {purpose.doing}"
+        )
+
+
+def _check_driver(driver: object, dialect: str, name: str, purpose: Purpose) -> None:
     """Refuse a SQLAlchemy connection on another driver than psycopg 3."""
     if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
         raise ConnectionNotSupported(
             f"the SQLAlchemy connection uses the {dialect}+{name} driver; outbox needs "
             "psycopg 3 (a 'postgresql+psycopg://' URL, for sync and async engines alike)"
         )
-    _check_transaction(driver)
+    _check_transaction(driver, purpose)
 
 
 def _kind(conn: object) -> str:
@@ -343,6 +421,15 @@ def _wrong_kind(conn: object, what: str, hint: str) -> ConnectionNotSupported:
     return ConnectionNotSupported(f"conn is {what} ({_kind(conn)}); {hint}")
 
 
+def _check_pipeline(purpose: Purpose) -> None:
+    if not purpose.pipeline:
+        raise ConnectionNotSupported(
+            f"the connection is in pipeline mode, where {purpose.doing} cannot run (its "
+            "scripts hold several statements each); call it outside the `with conn.pipeline()` "
+            "block"
+        )
+
+
 def _unsupported(conn: object) -> ConnectionNotSupported:
     return ConnectionNotSupported(
         "conn must be a psycopg 3 Connection or a SQLAlchemy Session or Connection "
@@ -351,11 +438,14 @@ def _unsupported(conn: object) -> ConnectionNotSupported:
     )
 
 
-_ABORTED = "the transaction has already failed; roll it back before enqueuing"
+def _aborted(purpose: Purpose) -> str:
+    return f"the transaction has already failed; roll it back before {purpose.doing}"
 
 
 def _failed_in_pipeline(
-    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], error: psycopg.Error
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    error: psycopg.Error,
+    purpose: Purpose,
 ) -> None:
     """A statement of the caller's failed in pipeline mode (its error came with the sync).
 
@@ -366,16 +456,17 @@ def _failed_in_pipeline(
     the status check decides.
     """
     if not conn.autocommit:
-        raise TransactionAborted(_ABORTED) from error
+        raise TransactionAborted(_aborted(purpose)) from error
 
 
-def _check_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+def _check_transaction(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], purpose: Purpose
+) -> None:
     status = conn.info.transaction_status
     if status == TransactionStatus.INERROR:
-        raise TransactionAborted(_ABORTED)
-    if conn.autocommit and status == TransactionStatus.IDLE:
+        raise TransactionAborted(_aborted(purpose))
+    if purpose.autocommit and conn.autocommit and status == TransactionStatus.IDLE:
         raise NoOpenTransaction(
-            "the connection is in autocommit mode with no transaction open, so the intent "
-            "would commit on its own; enqueue inside a transaction "
+            f"the connection is in autocommit mode with no transaction open, {purpose.autocommit} "
             "(psycopg: `with conn.transaction():`, SQLAlchemy: a non-AUTOCOMMIT connection)"
         )

@@ -24,6 +24,7 @@ from outbox.connection import (
     Executor,
     Params,
     Rows,
+    as_uuid,
     async_executor_for,
     executor_for,
 )
@@ -71,6 +72,15 @@ class Outbox:
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     max_key_bytes: int = DEFAULT_MAX_KEY_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+
+    def __post_init__(self) -> None:
+        """A limit that is not a positive int is refused here, not at every enqueue."""
+        for name in ("max_value_bytes", "max_key_bytes", "max_header_bytes"):
+            limit = getattr(self, name)
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise TypeError(f"Outbox {name} must be an int, got {type(limit).__name__}")
+            if limit < 1:
+                raise ValueError(f"Outbox {name} must be at least 1, got {limit}")
 
     def enqueue(
         self,
@@ -145,6 +155,12 @@ class Outbox:
 
     def _intents(self, messages: Iterable[Message]) -> list[Intent]:
         """Validate every message before anything is sent; name the first bad one's position."""
+        if isinstance(messages, Message) or not isinstance(messages, Iterable):
+            hint = " (put the one message in a list)" if isinstance(messages, Message) else ""
+            raise InvalidMessage(
+                "messages must be an iterable of outbox.Message, "
+                f"got {type(messages).__name__}{hint}"
+            )
         intents: list[Intent] = []
         for index, m in enumerate(messages):
             if not isinstance(m, Message):
@@ -252,7 +268,7 @@ def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
         params.extend(
             (i.id, i.topic, i.key, i.value, i.header_names, i.header_values, i.idempotency_key)
         )
-    inserted = {_uuid(row[0]) for row in (yield sql, tuple(params))}
+    inserted = {as_uuid(row[0]) for row in (yield sql, tuple(params))}
     if len(inserted) == len(intents):
         return [i.id for i in intents]
     # Some keys were taken. This second statement runs with a fresh snapshot
@@ -260,7 +276,7 @@ def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
     # committed while our INSERT waited on the unique index.
     missing = [i.idempotency_key for i in intents if i.id not in inserted]
     existing = {
-        key: _uuid(id_) for key, id_ in (yield query("ids_by_idempotency_key"), {"keys": missing})
+        key: as_uuid(id_) for key, id_ in (yield query("ids_by_idempotency_key"), {"keys": missing})
     }
     ids = []
     for i in intents:
@@ -274,12 +290,6 @@ def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
                 "retry the transaction"
             )
     return ids
-
-
-def _uuid(value: object) -> uuid.UUID:
-    """An id as read back: a UUID, whatever loader the caller's connection has for the type
-    (a text loader returns the string)."""
-    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 _default = Outbox()

@@ -208,8 +208,8 @@ def encode_headers(
         total += len(name.encode()) + len(encoded)
         if total > max_header_bytes:
             raise HeadersTooLarge(
-                f"headers are over {max_header_bytes} bytes (names and values, UTF-8) by header "
-                f"{index} ({name[:40]!r}); the configured maximum is {max_header_bytes}"
+                f"headers are at least {total} bytes (names and values, UTF-8; counted up to "
+                f"header {index}, {name[:40]!r}); the configured maximum is {max_header_bytes}"
             )
         names.append(name)
         values.append(encoded)

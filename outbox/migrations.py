@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 
-from outbox.connection import Executor, executor_for, unscoped
+from outbox.connection import MIGRATE, Executor, executor_for, unscoped
 from outbox.errors import MigrationError
 from outbox.redaction import connect_errors_redacted
 
@@ -207,7 +207,7 @@ class _Target:
 
     def __init__(self, conn: object) -> None:
         # Checks the driver (psycopg 3) and that a usable transaction is open.
-        self.executor: Executor = executor_for(conn)
+        self.executor: Executor = executor_for(conn, MIGRATE)
         if not isinstance(conn, psycopg.Connection):
             conn = unscoped(conn)  # the session a scoped_session holds now
         self._conn: psycopg.Connection[Any] | SAConnection

@@ -229,8 +229,23 @@ def connect_errors_redacted(conninfo: str) -> Iterator[None]:
 
 def check_conninfo(conninfo: str) -> None:
     """Raise ``DatabaseURLError`` when libpq cannot parse ``conninfo`` (before connecting)."""
+    problem = driver_url_problem(conninfo)
+    if problem:
+        raise DatabaseURLError(problem)
     with connect_errors_redacted(conninfo):
         conninfo_to_dict(conninfo)
+
+
+def driver_url_problem(url: str) -> str | None:
+    """What is wrong with a SQLAlchemy URL (``postgresql+psycopg://``) given where libpq's
+    is expected, or ``None``; libpq itself only says that it does not parse."""
+    scheme, sep, _ = url.strip().partition("://")
+    if not sep or "+" not in scheme or scheme.partition("+")[0] not in ("postgresql", "postgres"):
+        return None
+    return (
+        f"the database URL starts with {scheme}://, which names a SQLAlchemy driver; "
+        "libpq takes postgresql:// (the same URL without +" + scheme.partition("+")[2] + ")"
+    )
 
 
 class SecretSafeArgumentParser(argparse.ArgumentParser):

@@ -29,15 +29,29 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
 
+from outbox.connection import Executor, PsycopgExecutor, Purpose, as_uuid, executor_for
 from outbox.queries import query
+from outbox.redaction import check_conninfo, connect_errors_redacted
 
 __all__ = ["EnqueueRecorder", "Enqueued", "outbox_recorder"]
+
+#: Reading through a caller's connection: any open transaction (or none) that has not failed.
+_READ = Purpose(
+    doing="reading",
+    autocommit=None,
+    sync_hint="",
+    async_hint=(
+        "enqueued() reads synchronously: pass a synchronous connection, or no conn= to read "
+        "the committed intents on a connection of the recorder's own"
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,39 +76,49 @@ class Enqueued:
 
 
 class EnqueueRecorder:
-    """The intents written since it was created (or since ``restart``)."""
+    """The intents written since it was created (or since ``restart``).
+
+    ``database_url`` is libpq's (``postgresql://...``); a URL it cannot read
+    is refused here, with no piece of its password in the error.
+    """
 
     def __init__(self, database_url: str) -> None:
+        check_conninfo(database_url)
         self._database_url = database_url
         self._after = 0
         self.restart()
 
     def restart(self) -> None:
         """Forget what was recorded: ``enqueued()`` returns only what is written next."""
-        with psycopg.connect(self._database_url) as conn:
+        with self._connect() as conn:
             row = conn.execute(query("last_seq")).fetchone()
         self._after = int(row[0]) if row else 0
 
-    def enqueued(
-        self, *, topic: str | None = None, conn: psycopg.Connection[Any] | None = None
-    ) -> list[Enqueued]:
+    def enqueued(self, *, topic: str | None = None, conn: object = None) -> list[Enqueued]:
         """Every intent written since the start, in order; only ``topic``'s if given.
 
         Read on a connection of its own (committed intents), or through
-        ``conn``, which sees its own open transaction's intents too.
+        ``conn`` (a psycopg ``Connection`` or a SQLAlchemy ``Session`` or
+        ``Connection``, whatever its row factory, cursor factory or loaders),
+        which sees its own open transaction's intents too.
         """
         if conn is not None:
-            return self._read(conn, topic)
-        with psycopg.connect(self._database_url) as own:
-            return self._read(own, topic)
+            return self._read(executor_for(conn, _READ), topic)
+        with self._connect() as own:
+            return self._read(PsycopgExecutor(own), topic)
 
-    def _read(self, conn: psycopg.Connection[Any], topic: str | None) -> list[Enqueued]:
-        with conn.cursor(row_factory=tuple_row) as cur:
-            cur.execute(query("enqueued_since"), {"after": self._after})
-            rows = cur.fetchall()
+    @contextmanager
+    def _connect(self) -> Iterator[psycopg.Connection[Any]]:
+        with connect_errors_redacted(self._database_url):
+            conn = psycopg.connect(self._database_url)
+        with conn:
+            yield conn
+
+    def _read(self, executor: Executor, topic: str | None) -> list[Enqueued]:
+        rows = executor.fetchall(query("enqueued_since"), {"after": self._after})
         intents = [
             Enqueued(
-                id=row[0],
+                id=as_uuid(row[0]),
                 topic=row[1],
                 key=bytes(row[2]) if row[2] is not None else None,
                 value=bytes(row[3]),

@@ -25,7 +25,7 @@ from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.errors import OutboxError
-from outbox.redaction import parse_reason
+from outbox.redaction import driver_url_problem, parse_reason
 from outbox.redaction import redact as redact  # noqa: PLC0414 - moved there; callers keep this name
 from outbox.retention import MIN_DELIVERED_AGE, parse_duration
 
@@ -506,7 +506,7 @@ def _heading(problems: Collection[str]) -> str:
 def _database_url_problem(url: str) -> str | None:
     shown = redact(url)
     if not url.startswith(("postgresql://", "postgres://")):
-        return f"database URL {shown!r} must start with postgresql://"
+        return driver_url_problem(url) or f"database URL {shown!r} must start with postgresql://"
     try:
         parts = conninfo_to_dict(url)
     except ProgrammingError as exc:
@@ -820,22 +820,40 @@ def read_config_file(path: str) -> ConfigFile:
         return ConfigFile(problems=[f"config file {path}: cannot be read: {exc.strerror or exc}"])
     except tomllib.TOMLDecodeError as exc:
         return ConfigFile(problems=[f"config file {path}: not valid TOML: {exc}"])
+    return _typed(document, f"config file {path}: ", "key")
+
+
+def _typed(values: Mapping[str, object], where: str, noun: str) -> ConfigFile:
+    """Typed values by setting name (a TOML file's, or Python's), each checked against
+    its setting's kind; an unknown name gets the closest known one as a suggestion."""
     result = ConfigFile()
-    values, problems = result.values, result.problems
-    for key, value in document.items():
+    for key, value in values.items():
         setting = _BY_KEY.get(key)
         if setting is None:
             close = difflib.get_close_matches(key, list(_BY_KEY), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"config file {path}: unknown key {key!r}{hint}")
+            result.problems.append(f"{where}unknown {noun} {key!r}{hint}")
             continue
         try:
-            values[setting.name] = _from_file(setting, value)
+            result.values[setting.name] = _from_file(setting, value)
         except _BadValue as exc:
             shown = '"***"' if setting.secret else _toml_repr(value)
-            problems.append(f"config file {path}: {key} = {shown} {exc}")
+            result.problems.append(f"{where}{key} = {shown} {exc}")
             result.refused.add(setting.name)
     return result
+
+
+def config_from_values(values: Mapping[str, object]) -> PublisherConfig:
+    """A config from Python values by setting name (``publisher.testing``'s keyword
+    arguments), validated: ``ConfigError`` names every unknown name, every value of the
+    wrong type, and what ``PublisherConfig.problems`` finds."""
+    given = _typed(values, "", "setting")
+    fields = {"database_url": "", "kafka_bootstrap": "", **given.values}
+    config = PublisherConfig(**fields)  # type: ignore[arg-type]  # typed by each Setting.kind
+    problems = given.problems + [p.text for p in config.problems() if not p.fields & given.refused]
+    if problems:
+        raise ConfigError(_heading(problems))
+    return config
 
 
 def resolve(

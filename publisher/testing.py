@@ -9,36 +9,100 @@ publisher did::
     totals = publish_until_idle(database_url, "127.0.0.1:9092")
     assert totals.delivered == 1
 
-The settings are the publisher's (``PublisherConfig`` fields), with a short
-poll interval, and no absence grace: a test's broker is one local process,
-so nothing is ever written above its high watermark. On a cluster of
-several brokers keep the default grace (pass ``absence_grace=...``).
+The settings are the publisher's (``PublisherConfig`` fields, checked as a
+config file's are), with a short poll interval, and no absence grace: a
+test's broker is one local process, so nothing is ever written above its
+high watermark. On a cluster of several brokers keep the default grace
+(pass ``absence_grace=...``). A publisher that is not idle within
+``timeout`` seconds (the database or the broker cannot be reached, or
+messages keep failing) is stopped, and ``PublishTimeout`` says why.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import threading
 from typing import Any
 
+from outbox.errors import OutboxError
 from publisher.app import build_publisher
-from publisher.config import PublisherConfig
-from publisher.loop import Totals
+from publisher.config import PublisherConfig, config_from_values
+from publisher.loop import Publisher, Totals
 
-__all__ = ["config_for_tests", "publish_until_idle"]
+__all__ = ["PublishTimeout", "config_for_tests", "publish_until_idle"]
+
+#: Seconds ``publish_until_idle`` gives a publisher to deliver everything, by default.
+DEFAULT_TIMEOUT = 60.0
+
+
+class PublishTimeout(OutboxError, TimeoutError):
+    """``publish_until_idle``'s publisher still had work when its time ran out."""
+
+    def __init__(self, message: str, totals: Totals) -> None:
+        super().__init__(message)
+        #: What the publisher did before it was stopped.
+        self.totals = totals
 
 
 def config_for_tests(database_url: str, kafka_bootstrap: str, **settings: Any) -> PublisherConfig:
-    """A publisher config for tests: exits when idle, polls often, no absence grace."""
-    base = PublisherConfig(
-        database_url=database_url,
-        kafka_bootstrap=kafka_bootstrap,
-        exit_when_idle=True,
-        poll_interval=0.2,
-        absence_grace=0.0,
+    """A publisher config for tests: exits when idle, polls often, no absence grace.
+
+    Raises ``ConfigError`` naming every unknown setting, value of the wrong
+    type and invalid value, as ``outbox-publisher`` does for its flags.
+    """
+    return config_from_values(
+        {
+            "exit_when_idle": True,
+            "poll_interval": 0.2,
+            "absence_grace": 0.0,
+            **settings,
+            "database_url": database_url,
+            "kafka_bootstrap": kafka_bootstrap,
+        }
     )
-    return replace(base, **settings)
 
 
-def publish_until_idle(database_url: str, kafka_bootstrap: str, **settings: Any) -> Totals:
-    """Run a publisher in this process until nothing is left to deliver; its totals."""
-    return build_publisher(config_for_tests(database_url, kafka_bootstrap, **settings)).run()
+def publish_until_idle(
+    database_url: str, kafka_bootstrap: str, *, timeout: float = DEFAULT_TIMEOUT, **settings: Any
+) -> Totals:
+    """Run a publisher in this process until nothing is left to deliver; its totals.
+
+    Stopped after ``timeout`` seconds if it is not idle by then (the batch in
+    hand is settled first, as on SIGTERM), and ``PublishTimeout`` is raised.
+    """
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    publisher = build_publisher(config_for_tests(database_url, kafka_bootstrap, **settings))
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        publisher.request_stop()
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        totals = publisher.run()
+    finally:
+        timer.cancel()
+    if expired.is_set():
+        raise PublishTimeout(
+            f"publish_until_idle: the publisher was not idle after {timeout:g} s "
+            f"({_why(publisher)}; {totals.delivered} delivered, {totals.retried} retried); "
+            "its log says more",
+            totals,
+        )
+    return totals
+
+
+def _why(publisher: Publisher) -> str:
+    """What kept the publisher from going idle, as far as its health knows."""
+    health = publisher.health
+    for contact in (health.database, health.kafka):
+        problem = contact.problem()
+        if problem is not None and contact.ok is False:
+            kind = f" ({contact.error_type})" if contact.error_type else ""
+            return f"{contact.name} unavailable{kind}"
+    if not health.registered:
+        return "the database never answered"
+    return "messages were still left to deliver"

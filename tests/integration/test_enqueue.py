@@ -263,11 +263,13 @@ def test_enqueue_many_writes_in_order_and_returns_ids(database_url: str) -> None
 
 
 def test_repeated_idempotency_key_returns_first_id(database_url: str) -> None:
-    """Same key in a later transaction and inside one batch: one row, one id."""
+    """Same key in a later transaction, on another topic and inside one batch: one row,
+    one id (only the key is compared, across topics)."""
     with psycopg.connect(database_url) as conn:
         first = outbox.enqueue(conn, "orders", b"a", idempotency_key="order-1")
     with psycopg.connect(database_url) as conn:
         again = outbox.enqueue(conn, "orders", b"b", idempotency_key="order-1")
+        assert outbox.enqueue(conn, "payments", b"p", idempotency_key="order-1") == first
         batch = outbox.enqueue_many(
             conn,
             [
@@ -392,14 +394,46 @@ def test_a_streaming_sqlalchemy_connection_enqueues_like_any_other(
     database_url: str, opener: Opener
 ) -> None:
     """A connection set to stream results (as yield_per does) would open a server-side
-    cursor, which PostgreSQL refuses for an INSERT: the library's statements never stream."""
+    cursor, which PostgreSQL refuses for an INSERT: the library's statements never stream,
+    nor its savepoints (SQLAlchemy would DECLARE a cursor FOR SAVEPOINT); the caller's
+    setting is kept."""
     with opener(database_url) as conn:
         streaming = conn.connection() if isinstance(conn, Session) else conn
         streaming.execution_options(stream_results=True)
         message_id = outbox.enqueue(conn, "orders", b"x", idempotency_key="streamed")
         assert outbox.enqueue(conn, "orders", b"y", idempotency_key="streamed") == message_id
+        # Several messages with idempotency keys: one call in a savepoint of its own.
+        many = outbox.enqueue_many(
+            conn,
+            [
+                outbox.Message("orders", b"x", idempotency_key="streamed"),
+                outbox.Message("orders", b"z", idempotency_key="streamed-too"),
+            ],
+        )
+        assert many[0] == message_id
+        assert streaming.get_execution_options()["stream_results"] is True
         conn.commit()
-    assert [(row[0], row[3]) for row in _rows(database_url)] == [(message_id, b"x")]
+    assert [(row[0], row[3]) for row in _rows(database_url)] == [
+        (message_id, b"x"),
+        (many[1], b"z"),
+    ]
+
+
+def test_an_invalidated_sqlalchemy_connection_is_reported_as_an_aborted_transaction(
+    database_url: str,
+) -> None:
+    """A connection invalidated in its transaction (its database connection lost, or an
+    async task cancelled in a statement) must be rolled back first: TransactionAborted,
+    as for a failed statement, not SQLAlchemy's PendingRollbackError."""
+    with _sa_connection(database_url) as conn:
+        conn.exec_driver_sql("SELECT 1")
+        conn.invalidate()
+        with pytest.raises(outbox.TransactionAborted, match="invalidated"):
+            outbox.enqueue(conn, "orders", b"x")
+        conn.rollback()
+        outbox.enqueue(conn, "orders", b"after the rollback")
+        conn.commit()
+    assert [row[3] for row in _rows(database_url)] == [b"after the rollback"]
 
 
 def test_a_session_whose_flush_failed_is_reported_as_an_aborted_transaction(

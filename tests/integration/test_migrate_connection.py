@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from outbox.errors import MigrationError, NoOpenTransaction
+from outbox.errors import ConnectionNotSupported, MigrationError, NoOpenTransaction
 from outbox.migrations import (
     Migration,
     current_version,
@@ -100,9 +102,29 @@ def test_after_outbox_migrate_there_is_nothing_left_to_apply(database_url: str) 
 def test_autocommit_without_a_transaction_is_refused(empty_database_url: str) -> None:
     """In autocommit mode with no transaction open it raises instead of committing piecemeal."""
     with psycopg.connect(empty_database_url, autocommit=True) as conn:
-        with pytest.raises(NoOpenTransaction):
+        with pytest.raises(NoOpenTransaction, match="each migration would commit on its own"):
             migrate_connection(conn)
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
+
+
+def test_pipeline_mode_and_an_async_connection_are_refused_with_the_way_out(
+    empty_database_url: str,
+) -> None:
+    """Its scripts cannot run in pipeline mode: refused before any statement, the
+    transaction still usable (it was failed by a syntax error before). An async
+    connection is told how to run it."""
+    with psycopg.connect(empty_database_url) as conn:
+        with conn.pipeline(), pytest.raises(ConnectionNotSupported, match="pipeline mode"):
+            migrate_connection(conn)
+        assert conn.info.transaction_status != TransactionStatus.INERROR
+        assert migrate_connection(conn) != []
+
+    async def on_async_connection() -> None:
+        async with await psycopg.AsyncConnection.connect(empty_database_url) as conn:
+            migrate_connection(conn)
+
+    with pytest.raises(ConnectionNotSupported, match=r"run_sync\(migrate_connection\)"):
+        asyncio.run(on_async_connection())
 
 
 def test_a_database_newer_than_the_library_is_refused(database_url: str) -> None:

@@ -7,16 +7,27 @@ delivered by a publisher running in the test's process.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import psycopg
+import psycopg.types.string
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
 import outbox
+from outbox.errors import ConnectionNotSupported
+from outbox.redaction import DatabaseURLError
 from outbox.testing import EnqueueRecorder
-from publisher.testing import publish_until_idle
-from tests.support import assert_excerpt_of_file, read_topic
+from publisher.config import ConfigError
+from publisher.testing import PublishTimeout, publish_until_idle
+from tests.support import assert_excerpt_of_file, fetch_rows, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +94,93 @@ def test_the_docs_show_this_file_and_the_conftest_verbatim() -> None:
     assert len(excerpts) == 2
     for code in excerpts:
         assert_excerpt_of_file(code, ROOT)
+
+
+def _reads_uuid_as_text(conn: psycopg.Connection[Any]) -> None:
+    conn.adapters.register_loader("uuid", psycopg.types.string.TextLoader)
+
+
+@pytest.mark.parametrize(
+    "kind", ["sqlalchemy-session", "sqlalchemy-connection", "raw-cursor", "uuid-as-text"]
+)
+def test_the_recorder_reads_through_any_connection_enqueue_accepts(
+    database_url: str, kind: str
+) -> None:
+    """``enqueued(conn=...)`` reads through a SQLAlchemy Session or Connection, and a
+    psycopg connection whatever its cursor factory or loaders, as ``enqueue`` writes:
+    the connection's own open transaction's intents, with their ids as UUIDs."""
+    recorder = EnqueueRecorder(database_url)
+    engine = sa.create_engine(database_url.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with contextlib.ExitStack() as stack:
+            conn: Any
+            if kind == "sqlalchemy-session":
+                conn = stack.enter_context(Session(engine))
+            elif kind == "sqlalchemy-connection":
+                conn = stack.enter_context(engine.connect())
+            else:
+                factory = psycopg.RawCursor if kind == "raw-cursor" else psycopg.Cursor
+                conn = stack.enter_context(psycopg.connect(database_url, cursor_factory=factory))
+                if kind == "uuid-as-text":
+                    _reads_uuid_as_text(conn)
+            message_id = outbox.enqueue(conn, "orders", b"uncommitted")
+            [event] = recorder.enqueued(conn=conn)
+            assert (event.id, event.value) == (message_id, b"uncommitted")
+            assert isinstance(event.id, uuid.UUID)
+    finally:
+        engine.dispose()
+
+
+def test_the_recorder_refuses_an_async_connection_and_a_sqlalchemy_url(
+    database_url: str,
+) -> None:
+    """An async connection is named, with the way out; so is a SQLAlchemy URL, with no
+    piece of its password in the error."""
+    recorder = EnqueueRecorder(database_url)
+
+    async def read_through_async() -> None:
+        async with await psycopg.AsyncConnection.connect(database_url) as conn:
+            recorder.enqueued(conn=conn)
+
+    with pytest.raises(ConnectionNotSupported, match="reads synchronously"):
+        asyncio.run(read_through_async())
+    url = database_url.replace("postgresql://", "postgresql+psycopg://")
+    with_password = url.replace("postgres@", "postgres:s3cret-pw@", 1)
+    with pytest.raises(DatabaseURLError, match=r"names a SQLAlchemy driver") as refused:
+        EnqueueRecorder(with_password)
+    assert "s3cret" not in str(refused.value)
+
+
+def test_publish_until_idle_stops_and_says_why_when_it_cannot_finish(
+    database_url: str, topic: str
+) -> None:
+    """A broker that cannot be reached (or a database) would keep the publisher
+    retrying for ever: after ``timeout`` it is stopped and PublishTimeout names what was
+    unavailable. Nothing was delivered, so the message is still to deliver."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, topic, b"x")
+    started = time.monotonic()
+    with pytest.raises(PublishTimeout, match=r"not idle after 4 s \(kafka unavailable"):
+        publish_until_idle(database_url, "127.0.0.1:1", timeout=4, max_block_ms=500)
+    assert time.monotonic() - started < 30
+    assert fetch_rows(database_url, "SELECT state FROM outbox.message_status") == [("pending",)]
+
+    nowhere = database_url.rsplit("/", 1)[0] + "/no_such_database"
+    with pytest.raises(PublishTimeout, match=r"database unavailable") as stopped:
+        publish_until_idle(nowhere, "127.0.0.1:1", timeout=2)
+    assert stopped.value.totals.delivered == 0
+
+
+def test_publish_until_idle_names_every_bad_setting_before_it_starts(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """Settings are checked as a config file's are: an unknown name (with the closest
+    known one), a value of the wrong type, a value out of range, all in one error."""
+    with pytest.raises(ConfigError) as refused:
+        publish_until_idle(
+            database_url, kafka_bootstrap, batch_size="10", absence_grace=-1, batch_szie=5
+        )
+    text = str(refused.value)
+    assert 'batch_size = "10" is a string, expected an integer' in text
+    assert "unknown setting 'batch_szie' (did you mean 'batch_size'?)" in text
+    assert "absence grace must be 0 or more, got -1" in text

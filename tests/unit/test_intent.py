@@ -375,6 +375,39 @@ def test_enqueue_many_names_an_item_that_is_not_a_message(item: object, kind: st
         Outbox().enqueue_many(object(), messages)
 
 
+@pytest.mark.parametrize(
+    ("messages", "shown"),
+    [
+        (Message("orders", b"v"), r"got Message \(put the one message in a list\)$"),
+        (None, "got NoneType$"),
+    ],
+    ids=["one-message", "none"],
+)
+def test_enqueue_many_names_messages_that_are_not_an_iterable(messages: Any, shown: str) -> None:
+    """One Message, or None, instead of a list raises InvalidMessage, not a TypeError."""
+    with pytest.raises(
+        InvalidMessage, match=rf"^messages must be an iterable of outbox.Message, {shown}"
+    ):
+        Outbox().enqueue_many(object(), messages)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "error", "text"),
+    [
+        ("max_value_bytes", -1, ValueError, "max_value_bytes must be at least 1, got -1"),
+        ("max_key_bytes", 0, ValueError, "max_key_bytes must be at least 1, got 0"),
+        ("max_header_bytes", "1000", TypeError, "max_header_bytes must be an int, got str"),
+        ("max_value_bytes", True, TypeError, "max_value_bytes must be an int, got bool"),
+    ],
+)
+def test_an_outbox_with_a_limit_that_is_not_a_positive_int_is_refused_at_once(
+    setting: str, value: object, error: type[Exception], text: str
+) -> None:
+    """A bad limit is named when the Outbox is made, not by every enqueue after."""
+    with pytest.raises(error, match=f"^Outbox {text}$"):
+        Outbox(**{setting: value})  # type: ignore[arg-type]
+
+
 def test_enqueue_many_with_valid_messages_refuses_an_unsupported_connection() -> None:
     """Valid messages with an unsupported connection object raise ConnectionNotSupported."""
     with pytest.raises(ConnectionNotSupported, match=r"got builtins\.object"):
@@ -451,7 +484,7 @@ def test_build_intent_refuses_headers_over_the_maximum(headers: Any) -> None:
 
 def test_the_header_limit_is_configurable() -> None:
     """Outbox(max_header_bytes=...) moves the header limit."""
-    with pytest.raises(HeadersTooLarge, match="maximum is 8"):
+    with pytest.raises(HeadersTooLarge, match=r"at least 9 bytes .*; the configured maximum is 8$"):
         Outbox(max_header_bytes=8).enqueue(object(), "orders", b"v", headers={"abcd": "efghi"})
 
 

@@ -204,3 +204,17 @@ def test_a_refused_value_is_quoted_without_its_password(
     err = capsys.readouterr().err
     assert "s3cret-pw" not in err
     assert REDACTED in err
+
+
+@pytest.mark.parametrize(
+    "url", [f"postgresql+psycopg://u:{SECRET}@h/db", f"postgres+psycopg2://u:{SECRET}@h/db"]
+)
+def test_a_sqlalchemy_url_is_named_as_one_with_the_fix(url: str) -> None:
+    """libpq only says such a URL does not parse (missing "="): the outbox commands, the
+    recorder and the publisher's config say it names a driver, and what to drop."""
+    driver = url.partition("://")[0].partition("+")[2]
+    with pytest.raises(DatabaseURLError, match=rf"names a SQLAlchemy driver.* without \+{driver}"):
+        check_conninfo(url)
+    with pytest.raises(ConfigError, match=r"names a SQLAlchemy driver") as refused:
+        resolve({"database_url": url, "kafka_bootstrap": "k:9092"}, {}, None)
+    assert SECRET not in str(refused.value)
