@@ -3,9 +3,10 @@
 A database URL may carry a password in every form libpq accepts, and each
 one is hidden here:
 
-* URL user info, ``postgresql://user:pw@host/db``, percent-encoded or not;
-  in a URL that does not parse (an unencoded ``@``, ``/``, ``?`` or ``#`` in
-  the password), everything from after ``://`` up to the last ``@``;
+* URL user info, ``postgresql://user:pw@host/db``, percent-encoded or not:
+  everything after ``user:`` up to the last ``@`` of the URL, so that a
+  password typed unencoded (an ``@``, ``/``, ``?`` or ``#`` in it) is hidden
+  whole, however libpq would cut it;
 * the ``password`` and ``sslpassword`` query parameters of a URL, their
   names percent-encoded or not (``?password=pw``, ``?pass%77ord=pw``);
 * ``password=`` and ``sslpassword=`` in a key/value connection string,
@@ -74,11 +75,11 @@ def _redact_url(url: str) -> str:
             secret = eq and unquote(key).strip().lower() in SECRET_KEYS
             pairs.append(key + eq + REDACTED if secret else pair)
         rest = rest[: query_at + 1] + "&".join(pairs)
-    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    # No '@' before the path: a URL that does not parse, whose password may
-    # hold a '/', '?' or '#'; its user info runs to the last '@'.
-    within = "@" in rest[:authority_end]
-    at = rest.rindex("@", 0, authority_end) if within else rest.rfind("@")
+    # User info runs to the last '@' of the URL: an '@' after the first is
+    # either in a password typed unencoded (with a '/', '?' or '#' before it
+    # too, libpq cuts the URL elsewhere, and the pieces would show) or, rarely,
+    # in a database name or query value, hidden with it: more hidden, never less.
+    at = rest.rfind("@")
     if at >= 0:
         user, colon, _ = rest[:at].partition(":")
         if colon:

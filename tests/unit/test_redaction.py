@@ -45,6 +45,10 @@ FORMS = [
     (f"postgresql://alice:{SECRET}/x@db.example/app", [SECRET]),
     (f"postgresql://alice:{SECRET}?x@db.example/app", [SECRET]),
     (f"postgresql://alice:{SECRET} x@db.example/app", [SECRET]),
+    # An '@' first, then a '/', '?' or '#', then the real '@': each piece hidden.
+    (f"postgresql://alice:a1@{SECRET}/more-{SECRET}@db.example/app", [SECRET, "a1@"]),
+    (f"postgresql://alice:a1@{SECRET}?more-{SECRET}@db.example/app", [SECRET]),
+    (f"postgresql://alice:a1@{SECRET}#more-{SECRET}@db.example/app", [SECRET]),
     (f"postgresql://db.example/app?password={SECRET}@x", [SECRET]),
     (f"PGPASSWORD={SECRET} outbox status", [SECRET]),
 ]
