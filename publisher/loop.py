@@ -387,7 +387,11 @@ class Publisher:
             base_seconds=self.config.retry_base_seconds,
             cap_seconds=self.config.retry_cap_seconds,
         )
-        log.info("the broker is unavailable; next claim in %.1fs", pause)
+        log.info(
+            "Kafka took nothing (unavailable, or refusing this publisher: the messages' "
+            "last_error says which); next claim in %.1fs",
+            pause,
+        )
         resume_at = self._clock() + pause
         while not self._stopping.is_set() and (left := resume_at - self._clock()) > 0:
             self.health.loop_turned()

@@ -154,6 +154,17 @@ _OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
+# Errors that say the broker refuses this publisher itself, whatever the record:
+# no right to its TransactionalIds (transactional delivery) or to the cluster
+# (idempotent writes, on brokers that still ask for it), or its login was
+# refused. Every record would meet them, so they say nothing about the content.
+_PUBLISHER_REFUSALS: tuple[type[BaseException], ...] = (
+    kafka_errors.TransactionalIdAuthorizationFailedError,
+    kafka_errors.ClusterAuthorizationFailedError,
+    kafka_errors.SaslAuthenticationFailedError,
+    kafka_errors.UnsupportedSaslMechanismError,
+)
+
 #: librdkafka's own errors that say the cluster could not be reached in time.
 _LIBRDKAFKA_OUTAGES = frozenset(
     {
@@ -170,9 +181,23 @@ _LIBRDKAFKA_OUTAGES = frozenset(
 )
 
 
+#: What to do about a refusal of the publisher itself, recorded with it.
+_REFUSAL_ACTIONS: dict[type[BaseException], str] = {
+    kafka_errors.TransactionalIdAuthorizationFailedError: (
+        "grant the publisher's Kafka principal Write and Describe on TransactionalIds "
+        "prefixed outbox- (docs/security.md); no failure is counted meanwhile"
+    ),
+    kafka_errors.ClusterAuthorizationFailedError: (
+        "grant the publisher's Kafka principal IdempotentWrite on the cluster "
+        "(docs/security.md); no failure is counted meanwhile"
+    ),
+}
+
+
 def error_text(error: BaseException) -> str:
     """How a send's error is recorded (``last_error``, ``outbox.attempts.error``): its
-    class, then what it says ("MessageSizeTooLargeError: ...").
+    class, then what it says ("MessageSizeTooLargeError: ..."); for a missing ACL, what
+    to grant.
 
     kafka-python's errors name their class themselves ("KafkaTimeoutError: Expiring
     1 record(s)", or with the broker's code first, "[Error 10]
@@ -185,24 +210,29 @@ def error_text(error: BaseException) -> str:
         if rest == name or rest.startswith(f"{name}: "):
             said = rest
     said = "" if said == name else said.removeprefix(f"{name}: ")
+    action = next((a for kind, a in _REFUSAL_ACTIONS.items() if isinstance(error, kind)), None)
+    said = "; ".join(part for part in (said, action) if part)
     return f"{name}: {said}" if said else name
 
 
 def is_outage(error: BaseException | None) -> bool:
-    """Whether ``error`` says the broker was unreachable or unavailable, not that the record is bad.
+    """Whether ``error`` says the broker would take no record from this publisher now
+    (unreachable, unavailable, or refusing the publisher itself), not that the record is bad.
 
     A record given back for such a reason goes back to pending without a
     failure counted: a broker outage, however long, never exhausts
-    ``--max-attempts`` (which counts only what may be the record's fault).
-    Besides the errors listed above, any error kafka-python marks as
-    retriable (the broker may take the same record later) counts, except the
-    content errors; an unknown error does not (it may be the record's).
+    ``--max-attempts`` (which counts only what may be the record's fault),
+    nor does a missing TransactionalId or cluster ACL (each record's
+    ``last_error`` names it until it is granted). Besides the errors listed
+    above, any error kafka-python marks as retriable (the broker may take the
+    same record later) counts, except the content errors; an unknown error
+    does not (it may be the record's).
     """
     if error is None or isinstance(error, (*_CONTENT_ERRORS, TypeError, ValueError)):
         return False
     if isinstance(error, LibrdkafkaError):
         return error.name in _LIBRDKAFKA_OUTAGES
-    if isinstance(error, _OUTAGE_ERRORS):
+    if isinstance(error, (*_OUTAGE_ERRORS, *_PUBLISHER_REFUSALS)):
         return True
     return isinstance(error, kafka_errors.KafkaError) and bool(getattr(error, "retriable", False))
 

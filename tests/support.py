@@ -453,16 +453,23 @@ def local_service(action: str, name: str) -> None:
     subprocess.run([str(SERVICES / action), name], check=True, timeout=180, capture_output=True)
 
 
-def deny(bootstrap: str, resource: ResourceType, name: str, operation: ACLOperation) -> ACL:
-    """Deny ``operation`` on the resource ``name`` to the tests' (anonymous) client with an
-    ACL, once the broker enforces it. The broker runs ``allow.everyone.if.no.acl.found``:
-    every other resource stays open."""
+def deny(
+    bootstrap: str,
+    resource: ResourceType,
+    name: str,
+    operation: ACLOperation,
+    pattern: ACLResourcePatternType = ACLResourcePatternType.LITERAL,
+) -> ACL:
+    """Deny ``operation`` on the resource ``name`` (or, with a PREFIXED ``pattern``, every
+    resource whose name starts with it) to the tests' (anonymous) client with an ACL, once
+    the broker enforces it. The broker runs ``allow.everyone.if.no.acl.found``: every
+    other resource stays open."""
     acl = ACL(
         principal="User:ANONYMOUS",
         host="*",
         operation=operation,
         permission_type=ACLPermissionType.DENY,
-        resource_pattern=ResourcePattern(resource, name, ACLResourcePatternType.LITERAL),
+        resource_pattern=ResourcePattern(resource, name, pattern),
     )
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="outbox-tests")
     try:

@@ -8,15 +8,27 @@ topics, and a topic the publisher is not allowed to write (an ACL denies it).
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 from kafka import KafkaAdminClient
-from kafka.admin import ACLOperation, NewTopic, ResourceType
+from kafka.admin import ACLOperation, ACLResourcePatternType, NewTopic, ResourceType
 
 import outbox
 from outbox.operator import discard
-from tests.support import SINKS, deny, publish_until_idle, read_topic, small_topic
+from publisher.app import build_publisher
+from publisher.testing import config_for_tests
+from tests.support import (
+    SINKS,
+    allow_again,
+    deny,
+    fetch_rows,
+    publish_until_idle,
+    read_topic,
+    small_topic,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -107,3 +119,61 @@ def test_refused_records_are_quarantined_and_everything_else_is_delivered(
         b"small enough",
         b"after the big one",
     ]
+
+
+def _attempts(database_url: str) -> list[tuple[str, int, int, str | None]]:
+    return fetch_rows(
+        database_url,
+        "SELECT state, attempts, failures, last_error FROM outbox.message_status",
+    )
+
+
+def test_a_publisher_refused_its_transactional_id_quarantines_nothing(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """No right to its TransactionalIds says nothing about the messages: however many
+    batches fail for it, none counts toward --max-attempts (none is quarantined), each
+    message's last_error names the refusal, and once the ACL is granted they go out."""
+    publisher_id = uuid.uuid4()
+    acl = deny(
+        kafka_bootstrap,
+        ResourceType.TRANSACTIONAL_ID,
+        f"outbox-{publisher_id}",
+        ACLOperation.WRITE,
+        ACLResourcePatternType.PREFIXED,
+    )
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(
+            conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(3)]
+        )
+    config = config_for_tests(
+        database_url,
+        kafka_bootstrap,
+        delivery="transactional",
+        max_attempts=2,
+        retry_base_seconds=0.05,
+        retry_cap_seconds=0.2,
+        exit_when_idle=False,
+    )
+    publisher = build_publisher(config, publisher_id)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(publisher.run)
+        try:
+            # More tries than --max-attempts allows a message's own failures.
+            wait_until(
+                lambda: all(attempt > 3 for _, attempt, _, _ in _attempts(database_url)),
+                timeout=60,
+                what="the messages tried more often than --max-attempts",
+            )
+        finally:
+            publisher.request_stop()
+            running.result(timeout=60)
+    rows = _attempts(database_url)
+    assert {state for state, _, _, _ in rows} == {"pending"}, rows
+    assert all(failures <= 1 for _, _, failures, _ in rows), rows
+    assert all("TransactionalIdAuthorizationFailedError" in (e or "") for *_, e in rows), rows
+
+    allow_again(kafka_bootstrap, acl)
+    publish_until_idle(database_url, kafka_bootstrap, delivery="transactional")
+    assert {state for state, _, _, _ in _attempts(database_url)} == {"delivered"}
+    assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=True)} == set(ids)

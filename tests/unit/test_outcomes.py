@@ -286,6 +286,30 @@ def test_an_outage_before_handing_over_is_not_written_and_counts_no_failure(
 @pytest.mark.parametrize(
     "error",
     [
+        kafka_errors.TransactionalIdAuthorizationFailedError(),
+        kafka_errors.ClusterAuthorizationFailedError(),
+        kafka_errors.SaslAuthenticationFailedError("wrong password"),
+        from_librdkafka(53, "TRANSACTIONAL_ID_AUTHORIZATION_FAILED", "not authorized"),
+    ],
+    ids=lambda e: f"{type(e).__name__}:{e}"[:60],
+)
+@pytest.mark.parametrize("handed_to_producer", [False, True])
+def test_a_refusal_of_the_publisher_itself_counts_no_failure(
+    error: BaseException, handed_to_producer: bool
+) -> None:
+    """No right to its TransactionalIds or the cluster, a refused login: every record
+    would meet it, so none is charged (a batch aborted for it is not written)."""
+    outcome = classify(error, handed_to_producer=handed_to_producer)
+    if handed_to_producer:
+        outcome = after_transaction(outcome, TransactionEnd.ABORTED)
+    assert outcome is SendOutcome.NOT_WRITTEN
+    assert is_outage(error)
+    assert counts_as_failure(outcome, error) is False
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
         kafka_errors.IllegalStateError("producer closed"),
         kafka_errors.KafkaError("unexpected"),
         RuntimeError("unexpected"),
@@ -365,6 +389,12 @@ def test_unreachable_means_no_broker_at_all(error: BaseException | None, unreach
             "ValueError: a value the producer cannot encode",
         ),
         (TimeoutError(), "TimeoutError"),
+        (
+            kafka_errors.TransactionalIdAuthorizationFailedError(),
+            "TransactionalIdAuthorizationFailedError: grant the publisher's Kafka principal "
+            "Write and Describe on TransactionalIds prefixed outbox- (docs/security.md); no "
+            "failure is counted meanwhile",
+        ),
         (ValueError("ValueErrors galore"), "ValueError: ValueErrors galore"),
         (ValueError(""), "ValueError"),
     ],
