@@ -53,9 +53,9 @@ from publisher.outcomes import (
     NEXT_STATE,
     AttemptOutcome,
     SendOutcome,
-    TopicMissing,
     TransactionEnd,
     after_transaction,
+    answered_for_topic,
     classify,
     counts_as_failure,
     error_text,
@@ -728,8 +728,9 @@ class Publisher:
                     self.health.kafka.succeeded()
                 except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
                     error = exc
-                    if isinstance(exc, TopicMissing):
-                        self.health.kafka.succeeded()  # the broker answered: no such topic
+                    if answered_for_topic(exc):
+                        # The broker answered: no such topic, or not for this publisher.
+                        self.health.kafka.succeeded()
                     else:
                         self.health.kafka.failed(exc)
                         outage = exc if is_unreachable(exc) else None

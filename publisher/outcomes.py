@@ -237,6 +237,12 @@ def is_outage(error: BaseException | None) -> bool:
     return isinstance(error, kafka_errors.KafkaError) and bool(getattr(error, "retriable", False))
 
 
+def answered_for_topic(error: BaseException | None) -> bool:
+    """Whether ``error`` is an answer only a broker gives, about a topic: it does not
+    exist, or this publisher may not use it. Kafka was reached (``/readyz``)."""
+    return isinstance(error, (TopicMissing, kafka_errors.TopicAuthorizationFailedError))
+
+
 #: Errors that say no broker could be reached at all, whatever the topic.
 _UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (
     kafka_errors.KafkaTimeoutError,

@@ -177,3 +177,19 @@ def test_a_publisher_refused_its_transactional_id_quarantines_nothing(
     publish_until_idle(database_url, kafka_bootstrap, delivery="transactional")
     assert {state for state, _, _, _ in _attempts(database_url)} == {"delivered"}
     assert {r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=True)} == set(ids)
+
+
+@pytest.mark.parametrize("sink", SINKS)
+def test_a_topic_refused_to_the_publisher_does_not_make_kafka_look_down(
+    database_url: str, kafka_bootstrap: str, sink: str
+) -> None:
+    """A record refused for its topic (an ACL) is the broker answering: the message is
+    quarantined, and Kafka's contact (/readyz, outbox_kafka_up) stays up."""
+    forbidden = _forbidden_topic(kafka_bootstrap)
+    with psycopg.connect(database_url) as conn:
+        denied = outbox.enqueue(conn, forbidden, b"not allowed", key="f")
+    publisher = build_publisher(config_for_tests(database_url, kafka_bootstrap, **_FAST, sink=sink))
+    publisher.run()
+    assert _rows(database_url)[denied][0] == "quarantined"
+    assert publisher.health.kafka.ok is True
+    assert publisher.health.kafka.problem() is None
