@@ -123,8 +123,9 @@ class Heartbeat(BackgroundService):
         if working and self._database is not None:
             self._database.succeeded()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop beating, give the lanes back, and close the heartbeat's connection.
+    def stop(self, timeout: float | None = None, *, give_lanes_back: bool = True) -> None:
+        """Stop beating, give the lanes back (unless told not to: a publisher that was
+        never registered holds none), and close the heartbeat's connection.
 
         A turn still running after the timeout (its statement hangs) keeps the
         connection: the lanes are not given back on it from here, where they
@@ -138,7 +139,7 @@ class Heartbeat(BackgroundService):
                 sorted(self.lanes.owned) if self.lanes is not None else [],
             )
             return
-        if self.lanes is not None:
+        if self.lanes is not None and give_lanes_back:
             try:
                 self.lanes.release_all()
             except psycopg.Error as exc:

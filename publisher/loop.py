@@ -309,6 +309,10 @@ class Publisher:
         return True
 
     def _shut_down(self) -> None:
+        # Never registered (the database refused it: no schema, no publisher role):
+        # there are no lanes to give back, no stop to record, and trying would
+        # only add two warnings before the one line that names the problem.
+        registered = self.health.registered
         self._release_claimed_ahead()
         self.health.loop_ended()
         if self.retention is not None:
@@ -320,16 +324,17 @@ class Publisher:
         if self._kafka_probe is not None:
             self._kafka_probe.stop()
         if self.heartbeat is not None:
-            self.heartbeat.stop()
+            self.heartbeat.stop(give_lanes_back=registered)
         if isinstance(self._status_reader, StatusReader):
             self._status_reader.close()
         self.sink.close()
         if self.reconciler is not None:
             self.reconciler.scanner.close()
-        try:
-            self.store.mark_stopped()
-        except psycopg.Error as exc:
-            log.warning("could not record the stop: %s", exc)
+        if registered:
+            try:
+                self.store.mark_stopped()
+            except psycopg.Error as exc:
+                log.warning("could not record the stop: %s", exc)
         self.store.close()
 
     # --- one batch ----------------------------------------------------------

@@ -274,7 +274,8 @@ def test_the_publisher_commands_refuse_a_login_without_the_publisher_role_naming
     logins: Logins, kafka_bootstrap: str, args: list[str]
 ) -> None:
     """As an operator login, outbox-publisher and its reconcile command exit 2 with one
-    line that names the role they need, not a traceback."""
+    line that names the role they need, not a traceback, and no warning before it about
+    a stop it never had to record."""
     process = start_publisher(logins.operator_url, kafka_bootstrap, *args)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2, stderr
@@ -282,6 +283,7 @@ def test_the_publisher_commands_refuse_a_login_without_the_publisher_role_naming
     name = "outbox-publisher reconcile" if args == ["reconcile"] else "outbox-publisher"
     assert f"`{name}` needs the publisher role (see docs/security.md)" in stderr
     assert "Traceback" not in stderr
+    assert "WARNING" not in stderr, stderr
 
 
 def _privilege(database_url: str, role: str, table: str, privilege: str) -> bool:
