@@ -414,7 +414,9 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
             )
     else:
         given = [
-            s.flag for s in SETTINGS if s.name.startswith("kafka_sasl_") and getattr(config, s.name)
+            s.named
+            for s in SETTINGS
+            if s.name.startswith("kafka_sasl_") and getattr(config, s.name)
         ]
         if given:
             problem(
@@ -424,11 +426,9 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
             )
     if not tls:
         given = [
-            s.flag
+            s.named
             for s in SETTINGS
-            if s.name.startswith("kafka_ssl_")
-            and s.name != "kafka_ssl_check_hostname"
-            and getattr(config, s.name)
+            if s.name.startswith("kafka_ssl_") and getattr(config, s.name) != s.default
         ]
         if given:
             problem(
@@ -447,6 +447,15 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
             "kafka_ssl_key_password kafka_ssl_key_password_file",
             "Kafka TLS key password: set OUTBOX_KAFKA_SSL_KEY_PASSWORD or "
             "--kafka-ssl-key-password-file, not both",
+        )
+    elif (
+        tls
+        and (config.kafka_ssl_key_password or config.kafka_ssl_key_password_file)
+        and not config.kafka_ssl_keyfile
+    ):
+        problem(
+            "kafka_ssl_key_password kafka_ssl_key_password_file",
+            "a Kafka TLS key password is set, but no key (--kafka-ssl-keyfile) to open with it",
         )
     for name in (
         "kafka_sasl_password_file",
@@ -467,12 +476,10 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
                 )
             else:
                 problem(name, f"{flag} {path}: {trouble}")
-    password_file = config.kafka_sasl_password_file
-    if password_file and not _unreadable(password_file) and not read_secret_file(password_file):
-        problem(
-            "kafka_sasl_password_file",
-            f"--kafka-sasl-password-file {config.kafka_sasl_password_file}: the file is empty",
-        )
+    for name in ("kafka_sasl_password_file", "kafka_ssl_key_password_file"):
+        path = getattr(config, name)
+        if path and not _unreadable(path) and not read_secret_file(path):
+            problem(name, f"--{name.replace('_', '-')} {path}: the file is empty")
     return problems
 
 
@@ -565,6 +572,11 @@ class Setting:
     def env(self) -> str:
         """The environment variable."""
         return "OUTBOX_" + self.name.upper()
+
+    @property
+    def named(self) -> str:
+        """How an error names it: its flag, or for a secret (no flag) its variable."""
+        return self.flag if self.has_flag else self.env
 
     @property
     def key(self) -> str:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -41,7 +43,8 @@ log = logging.getLogger(__name__)
 
 
 class KafkaAuthenticationFailed(Exception):
-    """The broker refused the publisher's credentials: no waiting will change that."""
+    """The broker refused the publisher's credentials, or the publisher the broker's
+    certificate: no waiting will change that."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,15 @@ class KafkaSecurity:
 
     @classmethod
     def from_config(cls, config: PublisherConfig) -> KafkaSecurity:
-        """The security settings of a validated ``config``; password files are read here."""
+        """The security settings of a validated ``config``; password files are read here,
+        and TLS files loaded (``ConfigError`` if one cannot be)."""
         sasl_password = config.kafka_sasl_password
         if config.kafka_sasl_password_file:
             sasl_password = read_secret_file(config.kafka_sasl_password_file)
         key_password = config.kafka_ssl_key_password
         if config.kafka_ssl_key_password_file:
             key_password = read_secret_file(config.kafka_ssl_key_password_file)
-        return cls(
+        security = cls(
             protocol=config.kafka_security_protocol,
             sasl_mechanism=config.kafka_sasl_mechanism,
             sasl_username=config.kafka_sasl_username,
@@ -82,6 +86,41 @@ class KafkaSecurity:
             ssl_key_password=key_password,
             ssl_check_hostname=config.kafka_ssl_check_hostname,
         )
+        if security.tls:
+            security.tls_context()  # its files must load now, not at the first handshake
+        return security
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The TLS context these settings describe, as kafka-python builds its own.
+
+        Raises ``ConfigError`` naming the setting whose file cannot be used (a
+        CA file with no PEM certificate, a key that does not match its
+        certificate or its password): found at start, not as an outage.
+        """
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = self.ssl_check_hostname
+        try:
+            if self.ssl_cafile:
+                context.load_verify_locations(cafile=self.ssl_cafile)
+            else:
+                context.load_default_certs()
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"--kafka-ssl-cafile {self.ssl_cafile}: no CA certificate could be loaded "
+                f"from it ({_ssl_reason(exc)}); it must hold PEM certificates"
+            ) from None
+        if self.ssl_certfile:
+            try:
+                context.load_cert_chain(
+                    self.ssl_certfile, self.ssl_keyfile or None, self.ssl_key_password or None
+                )
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(
+                    f"--kafka-ssl-certfile {self.ssl_certfile} and --kafka-ssl-keyfile "
+                    f"{self.ssl_keyfile}: the client certificate could not be loaded "
+                    f"({_ssl_reason(exc)}); check both files (PEM) and the key's password"
+                ) from None
+        return context
 
     @property
     def sasl(self) -> bool:
@@ -316,9 +355,12 @@ def check_login(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: 
     Returns when the login succeeded, and also when no broker answered at
     all within ``timeout_ms``: an unreachable Kafka is an outage that the
     publisher rides out, but refused credentials never get better, so they
-    end the command at start with one line that names the cause. Without
-    SASL there is no login to check.
+    end the command at start with one line that names the cause. Over TLS,
+    the handshake is checked first (``check_tls``). Without SASL there is no
+    login to check.
     """
+    if security.tls:
+        check_tls(bootstrap_servers, security, timeout_ms=timeout_ms)
     if not security.sasl:
         return
     start = time.monotonic()
@@ -347,6 +389,45 @@ def check_login(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: 
                 continue
             log.warning("Kafka did not answer the login check (%s); carrying on", exc)
         return
+
+
+def check_tls(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: int) -> None:
+    """Open a TLS session with each bootstrap server once; raise ``KafkaAuthenticationFailed``
+    when the handshake fails for a reason that waiting cannot change.
+
+    kafka-python logs a failed handshake (a CA that did not sign the broker's
+    certificate, a certificate that does not name the host) and retries as
+    for a broker that is away, so the publisher would run on as if Kafka were
+    down. A server that cannot be reached, or drops the connection, is left
+    to the outage path.
+    """
+    context = security.tls_context()
+    for server in bootstrap_servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        host = host.strip("[]")
+        try:
+            with (
+                socket.create_connection((host, int(port)), timeout=timeout_ms / 1000) as raw,
+                context.wrap_socket(raw, server_hostname=host),
+            ):
+                pass
+        except ssl.SSLCertVerificationError as exc:
+            raise KafkaAuthenticationFailed(
+                f"Kafka TLS handshake with {host}:{port} failed: {exc.verify_message or exc} "
+                "(the broker's certificate is not signed by --kafka-ssl-cafile, or does not "
+                "name the host; see docs/security.md)"
+            ) from None
+        except OSError:
+            # Unreachable, or the connection dropped: an outage as far as anyone can
+            # tell (a plaintext Kafka listener drops a TLS hello without a word).
+            continue
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    """An ``ssl`` error's reason in a few words (``NO_CERTIFICATE_OR_CRL_FOUND``)."""
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return str(exc.reason)
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 #: How long one login attempt of ``check_login`` may take to find a broker.

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -261,3 +262,55 @@ def test_a_crash_mid_transaction_is_recovered_over_sasl_ssl(
     )
     assert decided == {"pending": 10}  # the crashed batch: fenced, absent, sent again
     _assert_no_secret(secure_kafka, crash_stderr, stdout, stderr)
+
+
+def _other_ca(directory: Path) -> str:
+    """A CA of its own, which did not sign the broker's certificate."""
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", str(directory / "other.key"), "-out", str(directory / "other.crt"),
+            "-days", "1", "-subj", "/CN=another CA",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return str(directory / "other.crt")
+
+
+def test_a_ca_that_did_not_sign_the_brokers_certificate_stops_each_command_at_once(
+    database_url: str, topic: str, secure_kafka: SecureKafka, tmp_path: Path
+) -> None:
+    """kafka-python would log the failed handshake and retry it as an outage for ever: the
+    publisher (exit 1) and reconcile (exit 2) stop within seconds with one line naming it."""
+    _enqueue(database_url, topic, 1)
+    env = {**secure_kafka.publisher_env(), "OUTBOX_KAFKA_SSL_CAFILE": _other_ca(tmp_path)}
+    started = time.monotonic()
+    process = start_publisher(database_url, secure_kafka.bootstrap, env=env)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1, stderr
+    assert time.monotonic() - started < 15
+    errors = [line for line in stderr.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert len(errors) == 1, stderr
+    assert f"Kafka TLS handshake with {secure_kafka.bootstrap} failed: " in errors[0]
+    assert "not signed by --kafka-ssl-cafile" in errors[0]
+    result = _reconcile(database_url, env)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "Kafka TLS handshake with " in line
+    assert count_by_state(database_url) == {"pending": 1}
+    _assert_no_secret(secure_kafka, stdout, stderr, result.stderr)
+
+
+def test_a_ca_file_that_holds_no_certificate_is_a_configuration_error(
+    database_url: str, secure_kafka: SecureKafka, tmp_path: Path
+) -> None:
+    """Any readable file passed the start before, and every handshake then failed: it is
+    refused at start, exit 2, naming the setting."""
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate\n")
+    env = {**secure_kafka.publisher_env(), "OUTBOX_KAFKA_SSL_CAFILE": str(not_pem)}
+    process = start_publisher(database_url, secure_kafka.bootstrap, env=env)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2, stderr
+    assert f"--kafka-ssl-cafile {not_pem}: no CA certificate could be loaded from it" in stderr

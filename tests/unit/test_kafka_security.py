@@ -24,6 +24,21 @@ from publisher.kafka_security import (
 from publisher.sink import KafkaSink, KafkaSinkConfig
 
 SECRET = "s3cret-Pa55"  # noqa: S105 - a test value, checked to appear nowhere
+#: A CA certificate (self-signed, its key thrown away): a CA file that loads.
+CA_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBwTCCAWegAwIBAgIUEzaSmjqk+egOnvGmaNa2f71AucYwCgYIKoZIzj0EAwIw
+NTEzMDEGA1UEAwwqb3V0Ym94IHVuaXQtdGVzdCBDQSAobm90IHRydXN0ZWQgYW55
+d2hlcmUpMCAXDTI2MTIwMzIwNTk1MFoYDzIxMjYxMTA5MjA1OTUwWjA1MTMwMQYD
+VQQDDCpvdXRib3ggdW5pdC10ZXN0IENBIChub3QgdHJ1c3RlZCBhbnl3aGVyZSkw
+WTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAATr7C6f4lBGZxU+WLEt8EJcZOI8ZaCV
+39Hkef2qBRVy+fbbJenBfMcLiz+sD1/+wpMKS6m0wyw1WTXLmisqlUGco1MwUTAd
+BgNVHQ4EFgQUbQgQv0d/SCATDlKRIkTrelAtde4wHwYDVR0jBBgwFoAUbQgQv0d/
+SCATDlKRIkTrelAtde4wDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNIADBF
+AiBw8clN75qCr2abzZ0mt2wrr0gjjibf0MSIrZ2EVeSZ6gIhAPqu+3k8Ru0snnNY
+1IbhqXMlL/HEhbsHm6ZrmG2hu73U
+-----END CERTIFICATE-----
+"""
 BASE = {"OUTBOX_DATABASE_URL": "postgresql://u@h/db", "OUTBOX_KAFKA_BOOTSTRAP": "k:9093"}
 
 
@@ -49,7 +64,7 @@ def test_defaults_are_plaintext_with_hostname_checks_on() -> None:
 def test_sasl_ssl_from_environment_maps_to_both_libraries(tmp_path: Path) -> None:
     """The same settings become kafka-python arguments and librdkafka properties."""
     ca = tmp_path / "ca.pem"
-    ca.write_text("CA")
+    ca.write_text(CA_PEM)
     config = resolve(
         {}, _sasl_env(OUTBOX_KAFKA_SASL_PASSWORD=SECRET, OUTBOX_KAFKA_SSL_CAFILE=str(ca))
     )
@@ -140,6 +155,32 @@ def test_settings_for_another_protocol_are_refused_not_ignored(tmp_path: Path) -
     text = str(refused.value)
     assert "--kafka-sasl-username) are set, but the security protocol is PLAINTEXT" in text
     assert "--kafka-ssl-cafile) are set, but the security protocol is PLAINTEXT" in text
+
+
+def test_settings_for_another_protocol_are_named_as_they_can_be_given() -> None:
+    """A secret has no flag: it is named by its variable; turning hostname checks off
+    without TLS is refused too, not ignored."""
+    env = {**BASE, "OUTBOX_KAFKA_SASL_PASSWORD": SECRET}
+    with pytest.raises(ConfigError) as refused:
+        config_from_args(["--no-kafka-ssl-check-hostname"], environ=env)
+    text = str(refused.value)
+    assert "(OUTBOX_KAFKA_SASL_PASSWORD) are set, but the security protocol is PLAINTEXT" in text
+    assert "(--no-kafka-ssl-check-hostname) are set, but the security protocol is" in text
+    assert SECRET not in text
+
+
+def test_a_key_password_without_a_key_and_an_empty_key_password_file_are_refused(
+    tmp_path: Path,
+) -> None:
+    """A key password with nothing to open, or from an empty file, would be ignored."""
+    empty = tmp_path / "key-password"
+    empty.write_text("")
+    tls = {**BASE, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SSL"}
+    with pytest.raises(ConfigError) as refused:
+        resolve({"kafka_ssl_key_password_file": str(empty)}, tls)
+    text = str(refused.value)
+    assert "a Kafka TLS key password is set, but no key (--kafka-ssl-keyfile)" in text
+    assert f"--kafka-ssl-key-password-file {empty}: the file is empty" in text
 
 
 def test_unreadable_files_are_named_at_start(tmp_path: Path) -> None:
