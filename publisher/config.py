@@ -562,6 +562,8 @@ class Setting:
     metavar: str | None = None
     #: Normalises text values (``info`` -> ``INFO``).
     normalise: str = field(default="", repr=False)
+    #: The word ``off`` (any case) unsets it, as its default is shown in ``--help``.
+    off: bool = False
 
     @property
     def flag(self) -> str:
@@ -677,7 +679,7 @@ SETTINGS: tuple[Setting, ...] = (
             "metrics and health over HTTP", metavar="PORT"),
     Setting("purge_delivered_after", str, "delete delivered messages older than this (e.g. 7d; "
             "units s, m, h, d, w; at least the write deadline plus the absence grace, and 5m); "
-            "unset keeps them", "retention", unset="off", metavar="AGE"),
+            "unset keeps them", "retention", unset="off", metavar="AGE", off=True),
     Setting("purge_evidence_after", str, "delete the evidence of purged messages once it is "
             "this old (never while its message is kept)",
             "retention", metavar="AGE"),
@@ -772,6 +774,8 @@ def _from_file(setting: Setting, value: object) -> object:
 
 
 def _normalised(setting: Setting, value: str) -> str:
+    if setting.off and value.strip().lower() == "off":
+        return ""
     if setting.normalise == "upper":
         return value.strip().upper()
     if setting.normalise == "lower":

@@ -312,6 +312,13 @@ def _handler(
             if self.command != "HEAD":
                 self.wfile.write(body)
 
+        def send_error(
+            self, code: int, message: str | None = None, explain: str | None = None
+        ) -> None:
+            """The standard reason phrase: the default one quotes the request ("Unsupported
+            method ('FOO<b>')", "Bad request syntax (...)") in the status line."""
+            super().send_error(code, None, explain)
+
         def log_message(self, format: str, *args: Any) -> None:
             # Probes arrive every few seconds; the default writes each to stderr.
             log.debug("%s " + format, self.address_string(), *args)

@@ -419,3 +419,21 @@ def test_reconcile_names_what_is_missing() -> None:
         "database URL is missing (--database-url or OUTBOX_DATABASE_URL)",
         "Kafka bootstrap servers are missing (--kafka-bootstrap or OUTBOX_KAFKA_BOOTSTRAP)",
     ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ"),
+    [
+        (["--purge-delivered-after", "off"], {}),
+        ([], {"OUTBOX_PURGE_DELIVERED_AFTER": "OFF"}),
+        (["--purge-delivered-after", "7d", "--purge-delivered-after", "off"], {}),
+    ],
+)
+def test_retention_off_is_the_word_its_default_is_shown_as(
+    flags: list[str], environ: dict[str, str]
+) -> None:
+    """--help shows retention's default as "off": the word turns it off, not "not a
+    duration"."""
+    base = {"OUTBOX_DATABASE_URL": "postgresql://u@h/db", "OUTBOX_KAFKA_BOOTSTRAP": "k:9092"}
+    config = config_from_args(flags, environ={**base, **environ})
+    assert config.purge_delivered_after == ""

@@ -286,15 +286,18 @@ def test_an_oversized_request_is_closed_unanswered(
 def test_other_methods_are_501_in_plain_text_that_does_not_echo_the_request(
     served: tuple[str, Health, PublisherMetrics, EndpointServer],
 ) -> None:
-    """Only GET and HEAD are served; the error is a short text without the client's input."""
+    """Only GET and HEAD are served; the error is a short text without the client's input,
+    in its body and in its status line (the default reason would quote the method)."""
     _, _, _, server = served
-    with socket.create_connection(server.address, timeout=5) as client:
-        client.sendall(b"POST /healthz\x1b[2J HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
-        response = client.makefile("rb").read()
-    head, _, body = response.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.0 501 ")
-    assert b"Content-Type: text/plain; charset=utf-8" in head
-    assert body == b"501 Server does not support this operation\n"
+    for method in (b"POST", b"FOO<b>"):
+        with socket.create_connection(server.address, timeout=5) as client:
+            client.sendall(method + b" /healthz\x1b[2J HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+            response = client.makefile("rb").read()
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 501 Not Implemented\r\n"), head
+        assert method not in head
+        assert b"Content-Type: text/plain; charset=utf-8" in head
+        assert body == b"501 Server does not support this operation\n"
 
 
 def test_scrapes_held_by_a_silent_database_never_hold_a_probe() -> None:
