@@ -26,7 +26,7 @@ import psycopg
 import psycopg.errors
 
 from outbox import render
-from outbox.errors import OutboxError
+from outbox.errors import OutboxError, said
 from outbox.inspection import list_messages, read_timeline
 from outbox.migrations import (
     DEFAULT_LOCK_ATTEMPTS,
@@ -538,19 +538,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_conninfo(url)
         return COMMANDS[args.command](args)
     except psycopg.errors.UndefinedTable as exc:
-        shown = scrub(str(exc).strip(), url)
+        shown = scrub(said(exc), url)
         print(
             f"outbox: the outbox tables are missing ({shown}); run `outbox migrate`",
             file=sys.stderr,
         )
         return EXIT_ERROR
     except psycopg.errors.InsufficientPrivilege as exc:
-        shown = scrub(str(exc).strip(), url)
+        shown = scrub(said(exc), url)
         print(f"outbox: {shown}; {NEEDS[args.command]} (see docs/security.md)", file=sys.stderr)
         return EXIT_ERROR
     except (OutboxError, psycopg.Error) as exc:
         # Every message printed is scrubbed: no form of the URL's password shows.
-        print(f"outbox: {scrub(str(exc).strip(), url)}", file=sys.stderr)
+        print(f"outbox: {scrub(said(exc), url)}", file=sys.stderr)
         return EXIT_ERROR
 
 

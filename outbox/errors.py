@@ -65,3 +65,9 @@ class TransactionAborted(OutboxError):
 
 class MigrationError(OutboxError):
     """The schema migrations are missing, malformed or newer than this library."""
+
+
+def said(error: BaseException) -> str:
+    """What ``error`` says, for a command's stderr: without the excerpt of the statement
+    that libpq adds to a database error ("LINE 7: GRANT ...", then a caret line)."""
+    return str(error).split("\nLINE ", 1)[0].strip()

@@ -27,6 +27,7 @@ from types import FrameType
 import psycopg.errors
 from prometheus_client import disable_created_metrics
 
+from outbox.errors import said
 from outbox.migrations import SchemaBehind
 from outbox.redaction import SecretSafeArgumentParser
 from publisher.app import build_app
@@ -135,9 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 - one exit 
         log.error("%s", exc)
         return 2
     except psycopg.errors.InsufficientPrivilege as exc:
-        log.error(
-            "%s; %s", str(exc).strip(), NEEDS_PUBLISHER_ROLE.format(command="outbox-publisher")
-        )
+        log.error("%s; %s", said(exc), NEEDS_PUBLISHER_ROLE.format(command="outbox-publisher"))
         return 2
     except Exception:
         log.exception("publisher failed")

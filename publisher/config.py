@@ -823,11 +823,13 @@ class ConfigFile:
     refused: set[str] = field(default_factory=set)
 
 
-def read_config_file(path: str) -> ConfigFile:
+def read_config_file(path: str, only: Collection[str] | None = None) -> ConfigFile:
     """The settings of a TOML file by name, and the problems found in it.
 
     An unknown key is a problem (with the closest known key as a suggestion):
-    a misspelt setting that is silently ignored is worse than a refusal.
+    a misspelt setting that is silently ignored is worse than a refusal. With
+    ``only``, the other settings' keys are skipped, values unread: a command
+    that shares the publisher's file judges only what it uses.
     """
     try:
         with Path(path).open("rb") as f:
@@ -836,12 +838,15 @@ def read_config_file(path: str) -> ConfigFile:
         return ConfigFile(problems=[f"config file {path}: cannot be read: {exc.strerror or exc}"])
     except tomllib.TOMLDecodeError as exc:
         return ConfigFile(problems=[f"config file {path}: not valid TOML: {exc}"])
-    return _typed(document, f"config file {path}: ", "key")
+    return _typed(document, f"config file {path}: ", "key", only)
 
 
-def _typed(values: Mapping[str, object], where: str, noun: str) -> ConfigFile:
+def _typed(
+    values: Mapping[str, object], where: str, noun: str, only: Collection[str] | None = None
+) -> ConfigFile:
     """Typed values by setting name (a TOML file's, or Python's), each checked against
-    its setting's kind; an unknown name gets the closest known one as a suggestion."""
+    its setting's kind (those in ``only``, if given); an unknown name gets the closest
+    known one as a suggestion."""
     result = ConfigFile()
     for key, value in values.items():
         setting = _BY_KEY.get(key)
@@ -849,6 +854,8 @@ def _typed(values: Mapping[str, object], where: str, noun: str) -> ConfigFile:
             close = difflib.get_close_matches(key, list(_BY_KEY), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             result.problems.append(f"{where}unknown {noun} {key!r}{hint}")
+            continue
+        if only is not None and setting.name not in only:
             continue
         try:
             result.values[setting.name] = _from_file(setting, value)
@@ -890,7 +897,7 @@ def resolve(
     command that needs a few of the publisher's settings, such as
     ``outbox-publisher reconcile``).
     """
-    file = read_config_file(config_file) if config_file else ConfigFile()
+    file = read_config_file(config_file, only) if config_file else ConfigFile()
     from_file = file.values
     problems = list(file.problems)
     values: dict[str, object] = {}

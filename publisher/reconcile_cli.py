@@ -26,7 +26,8 @@ import psycopg
 import psycopg.errors
 from kafka.errors import KafkaError
 
-from outbox.errors import OutboxError
+from outbox.errors import OutboxError, said
+from outbox.migrations import require_current_schema
 from outbox.operator import operator_name
 from outbox.redaction import SecretSafeArgumentParser
 from outbox.states import State
@@ -108,6 +109,8 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
     store = PublisherStore(database_url, uuid.uuid4())
     scanner = KafkaLogScanner(kafka_bootstrap, security=security)
     try:
+        # Its statements read the latest schema, as the publisher's do.
+        require_current_schema(store.conn, COMMAND)
         moved = []
         while recovered := store.recover_expired_leases():  # a page of batches at a time
             moved += recovered
@@ -165,15 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except psycopg.errors.UndefinedTable as exc:
         print(
-            f"{COMMAND}: the outbox tables are missing ({exc}); run `outbox migrate`",
+            f"{COMMAND}: the outbox tables are missing ({said(exc)}); run `outbox migrate`",
             file=sys.stderr,
         )
         return EXIT_ERROR
     except (OutboxError, psycopg.Error) as exc:
-        said = str(exc).strip()
+        text = said(exc)
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-            said += "; " + NEEDS_PUBLISHER_ROLE.format(command=COMMAND)
-        print(f"{COMMAND}: {said}", file=sys.stderr)
+            text += "; " + NEEDS_PUBLISHER_ROLE.format(command=COMMAND)
+        print(f"{COMMAND}: {text}", file=sys.stderr)
         return EXIT_ERROR
     except KafkaError as exc:
         print(f"{COMMAND}: Kafka did not answer ({exc}); check --kafka-bootstrap", file=sys.stderr)

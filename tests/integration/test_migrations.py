@@ -223,6 +223,15 @@ def test_a_publisher_refuses_to_start_on_a_schema_missing_a_migration(
         f"needs the outbox schema at version {latest} and the database is at version "
         f"{latest - 1}: run `outbox migrate` first" in stderr
     )
+    # outbox-publisher reconcile runs the publisher's statements: it checks the same.
+    reconcile = start_publisher(empty_database_url, kafka_bootstrap, "reconcile")
+    _, stderr = reconcile.communicate(timeout=60)
+    assert reconcile.returncode == 2, stderr
+    assert stderr.strip() == (
+        f"outbox-publisher reconcile: outbox-publisher reconcile needs the outbox schema at "
+        f"version {latest} and the database is at version {latest - 1}: run `outbox migrate` "
+        "first (docs/operations.md, Upgrading)"
+    )
     with psycopg.connect(empty_database_url) as conn:
         assert conn.execute("SELECT count(*) FROM outbox.publishers").fetchone() == (0,)
     migrate(empty_database_url)

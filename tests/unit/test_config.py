@@ -411,6 +411,18 @@ def test_reconcile_takes_the_absence_grace_as_the_publisher_does(tmp_path: Path)
     assert _problems(caught.value) == ["absence grace must be 0 or more, got -30.0"]
 
 
+def test_reconcile_judges_only_its_own_keys_of_the_publishers_config_file(
+    tmp_path: Path,
+) -> None:
+    """A bad value of a key it does not use is the publisher's to refuse (as the same
+    value in that key's variable is ignored); an unknown key is still refused."""
+    path = _write(tmp_path, 'absence_grace = 90\nhttp_port = "zero"\n')
+    assert reconcile_config(["--config", path], BASE_ENV).absence_grace == 90.0
+    typo = _write(tmp_path, "absence_grase = 90\n")
+    with pytest.raises(ConfigError, match="unknown key 'absence_grase'"):
+        reconcile_config(["--config", typo], BASE_ENV)
+
+
 def test_reconcile_names_what_is_missing() -> None:
     """With no database or Kafka, every missing setting is named with its flag and variable."""
     with pytest.raises(ConfigError) as caught:

@@ -8,6 +8,7 @@ from urllib.parse import quote
 import psycopg
 import pytest
 
+from outbox.errors import said
 from outbox.redaction import (
     REDACTED,
     DatabaseURLError,
@@ -222,3 +223,14 @@ def test_a_sqlalchemy_url_is_named_as_one_with_the_fix(url: str) -> None:
     with pytest.raises(ConfigError, match=r"names a SQLAlchemy driver") as refused:
         resolve({"database_url": url, "kafka_bootstrap": "k:9092"}, {}, None)
     assert SECRET not in str(refused.value)
+
+
+def test_a_database_error_is_said_without_the_statement_excerpt() -> None:
+    """libpq adds the statement's line and a caret under it: a command's one line keeps the
+    message alone (outbox and outbox-publisher print errors through ``said``)."""
+    error = psycopg.errors.InsufficientPrivilege(
+        "must be owner of table messages\nLINE 7: GRANT SELECT ON outbox.messages TO x\n"
+        "               ^"
+    )
+    assert said(error) == "must be owner of table messages"
+    assert said(ValueError("one\ntwo")) == "one\ntwo"
