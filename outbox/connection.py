@@ -214,9 +214,10 @@ class AsyncPsycopgExecutor:
 
 
 #: A caller's connection may stream results (``execution_options(stream_results=True)``,
-#: as ``yield_per`` sets): that opens a server-side cursor, which PostgreSQL refuses for
-#: an INSERT (and the caller's transaction would fail). The library's statements never do.
-_CLIENT_CURSOR = {"stream_results": False}
+#: or ``yield_per=N``, which SQLAlchemy turns into streaming for every statement): that
+#: opens a server-side cursor, which PostgreSQL refuses for an INSERT (and the caller's
+#: transaction would fail). The library's statements never stream.
+_CLIENT_CURSOR: dict[str, Any] = {"stream_results": False, "yield_per": None}
 
 
 class SQLAlchemyExecutor:
@@ -258,22 +259,26 @@ class AsyncSQLAlchemyExecutor:
 
 @contextmanager
 def _not_streaming(conn: SAConnection | None) -> Iterator[None]:
-    """Turn a connection's ``stream_results`` off while a savepoint opens and ends.
+    """Turn a connection's streaming (``stream_results``, ``yield_per``) off while a
+    savepoint opens and ends.
 
     SQLAlchemy sends SAVEPOINT, RELEASE and ROLLBACK TO with the connection's
     own options, and on a streaming one runs them in a server-side cursor
     (``DECLARE ... CURSOR FOR SAVEPOINT``: a syntax error that aborts the
     caller's transaction). A connection's options change in place, so the
-    caller's setting is put back when the block ends.
+    caller's settings are put back when the block ends.
     """
-    if conn is None or not conn.get_execution_options().get("stream_results"):
+    options = {} if conn is None else conn.get_execution_options()
+    if conn is None or not any(options.get(name) for name in _CLIENT_CURSOR):
         yield
         return
-    conn.execution_options(stream_results=False)
+    conn.execution_options(**_CLIENT_CURSOR)
     try:
         yield
     finally:
-        conn.execution_options(stream_results=True)
+        conn.execution_options(
+            **{name: options.get(name, off) for name, off in _CLIENT_CURSOR.items()}
+        )
 
 
 def executor_for(conn: object, purpose: Purpose = ENQUEUE) -> Executor:

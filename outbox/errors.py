@@ -6,6 +6,8 @@ the caller's transaction is still usable and nothing is half-written.
 
 from __future__ import annotations
 
+import re
+
 
 class OutboxError(Exception):
     """Base class of every error the outbox library raises on purpose."""
@@ -69,5 +71,10 @@ class MigrationError(OutboxError):
 
 def said(error: BaseException) -> str:
     """What ``error`` says, for a command's stderr: without the excerpt of the statement
-    that libpq adds to a database error ("LINE 7: GRANT ...", then a caret line)."""
-    return str(error).split("\nLINE ", 1)[0].strip()
+    that libpq adds to a database error ("LINE 7: GRANT ...", then a caret line); its
+    DETAIL and HINT lines stay."""
+    return _STATEMENT_EXCERPT.sub("", str(error)).strip()
+
+
+#: libpq's excerpt of the statement an error points into: the line, and a caret under it.
+_STATEMENT_EXCERPT = re.compile(r"\nLINE \d+: [^\n]*(?:\n[ \t]*\^[ \t]*(?=\n|$))?")

@@ -4,9 +4,10 @@ A database URL may carry a password in every form libpq accepts, and each
 one is hidden here:
 
 * URL user info, ``postgresql://user:pw@host/db``, percent-encoded or not:
-  everything after ``user:`` up to the last ``@`` of the URL, so that a
-  password typed unencoded (an ``@``, ``/``, ``?`` or ``#`` in it) is hidden
-  whole, however libpq would cut it;
+  everything after ``user:`` up to the last ``@`` before the query's first
+  parameter, or else the last ``@`` of the URL, so that a password typed
+  unencoded (an ``@``, ``/``, ``?`` or ``#`` in it) is hidden whole, however
+  libpq would cut it;
 * the ``password`` and ``sslpassword`` query parameters of a URL, their
   names percent-encoded or not (``?password=pw``, ``?pass%77ord=pw``);
 * ``password=`` and ``sslpassword=`` in a key/value connection string,
@@ -57,6 +58,8 @@ _KEY_VALUE = re.compile(r"(?i)\b((?:pg)?(?:ssl)?password)(\s*=\s*)('(?:[^'\\]|\\
 #: Where libpq may cut a malformed URL into pieces (hosts, ports, user names).
 _PIECES = re.compile(r"[@/:?#&,=\s\[\]'\"]+")
 _QUOTED = re.compile(r'"([^"]*)"')
+#: Where a URL's query starts: a '?' then a parameter name and '='.
+_QUERY_START = re.compile(r"\?[^=&@/#?]*=")
 
 
 def _redact_url(url: str) -> str:
@@ -75,16 +78,26 @@ def _redact_url(url: str) -> str:
             secret = eq and unquote(key).strip().lower() in SECRET_KEYS
             pairs.append(key + eq + REDACTED if secret else pair)
         rest = rest[: query_at + 1] + "&".join(pairs)
-    # User info runs to the last '@' of the URL: an '@' after the first is
-    # either in a password typed unencoded (with a '/', '?' or '#' before it
-    # too, libpq cuts the URL elsewhere, and the pieces would show) or, rarely,
-    # in a database name or query value, hidden with it: more hidden, never less.
-    at = rest.rfind("@")
+    at = _user_info_end(rest)
     if at >= 0:
         user, colon, _ = rest[:at].partition(":")
         if colon:
             rest = user + ":" + REDACTED + rest[at:]
     return scheme + rest
+
+
+def _user_info_end(rest: str) -> int:
+    """Where the user info of a URL (after ``scheme://``) ends: its last '@' before the
+    query's first ``key=``, else its last '@'; -1 if it has none.
+
+    An '@' after the first is in a password typed unencoded (with a '/', '?'
+    or '#' before it too, libpq cuts the URL elsewhere, and the pieces would
+    show), or in a query value (``?application_name=svc@pod``), or, rarely,
+    in a database name, hidden with the password: more hidden, never less.
+    """
+    query = _QUERY_START.search(rest)
+    at = rest.rfind("@", 0, query.start()) if query else -1
+    return at if at >= 0 else rest.rfind("@")
 
 
 def _redact_key_values(text: str) -> str:

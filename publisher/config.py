@@ -16,6 +16,7 @@ import difflib
 import importlib.util
 import json
 import math
+import os
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -795,13 +796,16 @@ _TOML_KINDS: tuple[tuple[type, str], ...] = (
 
 
 def _toml_kind(value: object) -> str:
-    return next((name for kind, name in _TOML_KINDS if isinstance(value, kind)), "a value")
+    default = f"a {type(value).__name__}"  # given from Python (publisher.testing)
+    return next((name for kind, name in _TOML_KINDS if isinstance(value, kind)), default)
 
 
 def _toml_repr(value: object) -> str:
     if isinstance(value, str | bool | int | float):
         return json.dumps(value)
-    return "[...]" if isinstance(value, list) else "{...}"
+    if isinstance(value, list | dict):
+        return "[...]" if isinstance(value, list) else "{...}"
+    return repr(value)
 
 
 def _shown(setting: Setting, value: str) -> str:
@@ -848,7 +852,7 @@ def _typed(
     its setting's kind (those in ``only``, if given); an unknown name gets the closest
     known one as a suggestion."""
     result = ConfigFile()
-    for key, value in values.items():
+    for key, given in values.items():
         setting = _BY_KEY.get(key)
         if setting is None:
             close = difflib.get_close_matches(key, list(_BY_KEY), n=1)
@@ -857,6 +861,9 @@ def _typed(
             continue
         if only is not None and setting.name not in only:
             continue
+        if given is None:  # Python's "not given" (a TOML file has no such value)
+            continue
+        value = os.fspath(given) if isinstance(given, os.PathLike) else given
         try:
             result.values[setting.name] = _from_file(setting, value)
         except _BadValue as exc:

@@ -110,15 +110,17 @@ class KafkaSecurity:
                 f"from it ({_ssl_reason(exc)}); it must hold PEM certificates"
             ) from None
         if self.ssl_certfile:
+            # A password, never None: OpenSSL would ask for an encrypted key's on the terminal.
+            password = self.ssl_key_password or (lambda: b"")
             try:
-                context.load_cert_chain(
-                    self.ssl_certfile, self.ssl_keyfile or None, self.ssl_key_password or None
-                )
+                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile or None, password)
             except (ssl.SSLError, OSError) as exc:
                 raise ConfigError(
                     f"--kafka-ssl-certfile {self.ssl_certfile} and --kafka-ssl-keyfile "
                     f"{self.ssl_keyfile}: the client certificate could not be loaded "
-                    f"({_ssl_reason(exc)}); check both files (PEM) and the key's password"
+                    f"({_ssl_reason(exc)}); check both files (PEM) and the key's password "
+                    "(an encrypted key needs OUTBOX_KAFKA_SSL_KEY_PASSWORD or "
+                    "--kafka-ssl-key-password-file)"
                 ) from None
         return context
 
@@ -359,7 +361,7 @@ def check_login(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: 
     the handshake is checked first (``check_tls``). Without SASL there is no
     login to check.
     """
-    if security.tls:
+    if security.tls and security.ssl_cafile:
         check_tls(bootstrap_servers, security, timeout_ms=timeout_ms)
     if not security.sasl:
         return
@@ -392,25 +394,32 @@ def check_login(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: 
 
 
 def check_tls(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: int) -> None:
-    """Open a TLS session with each bootstrap server once; raise ``KafkaAuthenticationFailed``
+    """Open a TLS session with a bootstrap server; raise ``KafkaAuthenticationFailed``
     when the handshake fails for a reason that waiting cannot change.
 
     kafka-python logs a failed handshake (a CA that did not sign the broker's
     certificate, a certificate that does not name the host) and retries as
     for a broker that is away, so the publisher would run on as if Kafka were
-    down. A server that cannot be reached, or drops the connection, is left
-    to the outage path.
+    down. The servers are tried in turn until one completes a handshake,
+    within ``timeout_ms`` in all; one that cannot be reached, or drops the
+    connection, is left to the outage path. ``check_login`` asks only when a
+    CA file is given: without one, each client library trusts the system's
+    CAs as it finds them, which this check could not match for librdkafka.
     """
     context = security.tls_context()
+    deadline = time.monotonic() + timeout_ms / 1000
     for server in bootstrap_servers.split(","):
         host, _, port = server.strip().rpartition(":")
         host = host.strip("[]")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
         try:
             with (
-                socket.create_connection((host, int(port)), timeout=timeout_ms / 1000) as raw,
+                socket.create_connection((host, int(port)), timeout=left) as raw,
                 context.wrap_socket(raw, server_hostname=host),
             ):
-                pass
+                return  # a handshake completed: the settings work
         except ssl.SSLCertVerificationError as exc:
             raise KafkaAuthenticationFailed(
                 f"Kafka TLS handshake with {host}:{port} failed: {exc.verify_message or exc} "

@@ -60,6 +60,7 @@ from publisher.outcomes import (
     counts_as_failure,
     error_text,
     is_unreachable,
+    refuses_publisher,
     retry_delay,
 )
 from publisher.partitioning import partition_for
@@ -147,6 +148,8 @@ class Publisher:
         #: A span per batch sent, with OpenTelemetry (see ``publisher.tracing``).
         self.spans = spans if spans is not None else batch_spans()
         self.totals = Totals()
+        #: Set when ``run`` ended because nothing was left to deliver (``exit_when_idle``).
+        self.ended_idle = False
         self._version = version
         self._pid = pid
         self._clock = clock
@@ -242,6 +245,7 @@ class Publisher:
                     wait = self.config.poll_interval
                 if wait is None:
                     log.info("nothing left to deliver; exiting (--exit-when-idle)")
+                    self.ended_idle = True
                     break
                 self.waker.wait(wait)
         finally:
@@ -718,9 +722,11 @@ class Publisher:
     def _describe_topics(self, batch: Batch) -> tuple[dict[str, int], dict[uuid.UUID, Settlement]]:
         """Each topic's partition count; the settlements of messages whose topic failed it.
 
-        Once a lookup fails for want of any broker (``is_unreachable``), the
+        Once a lookup fails for want of any broker (``is_unreachable``), or because
+        the broker refuses the publisher itself (``refuses_publisher``: in
+        transactional delivery a lookup builds the producer session), the
         batch's other topics are refused with the same error without a lookup
-        each: every one would wait out the same timeouts, and the loop with them.
+        each: every one would meet it again, and the loop would wait for each.
         """
         counts: dict[str, int] = {}
         refused: dict[uuid.UUID, Settlement] = {}
@@ -738,7 +744,8 @@ class Publisher:
                         self.health.kafka.succeeded()
                     else:
                         self.health.kafka.failed(exc)
-                        outage = exc if is_unreachable(exc) else None
+                        shared = is_unreachable(exc) or refuses_publisher(exc)
+                        outage = exc if shared else None
                 self._progress()  # a lookup that ended, either way, is the loop turning
             if error is not None:
                 report = SendReport(None, None, error, handed_to_producer=False)

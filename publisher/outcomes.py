@@ -177,6 +177,7 @@ _LIBRDKAFKA_OUTAGES = frozenset(
         "_WAIT_COORD",
         "_LEADER_NOT_AVAILABLE",
         "_NOT_LEADER_FOR_PARTITION",
+        "_AUTHENTICATION",  # the login was refused: the publisher's, not the record's
     }
 )
 
@@ -185,11 +186,11 @@ _LIBRDKAFKA_OUTAGES = frozenset(
 _REFUSAL_ACTIONS: dict[type[BaseException], str] = {
     kafka_errors.TransactionalIdAuthorizationFailedError: (
         "grant the publisher's Kafka principal Write and Describe on TransactionalIds "
-        "prefixed outbox- (docs/security.md); no failure is counted meanwhile"
+        "prefixed outbox- (docs/security.md); it counts toward --max-attempts once at most"
     ),
     kafka_errors.ClusterAuthorizationFailedError: (
         "grant the publisher's Kafka principal IdempotentWrite on the cluster "
-        "(docs/security.md); no failure is counted meanwhile"
+        "(docs/security.md); it counts toward --max-attempts once at most"
     ),
 }
 
@@ -260,6 +261,14 @@ def is_unreachable(error: BaseException | None) -> bool:
     if isinstance(error, LibrdkafkaError):
         return error.name in _LIBRDKAFKA_UNREACHABLE
     return isinstance(error, _UNREACHABLE_ERRORS)
+
+
+def refuses_publisher(error: BaseException | None) -> bool:
+    """Whether ``error`` is the broker refusing this publisher itself (its TransactionalIds,
+    the cluster, its login), whatever the record: every other lookup would meet it too."""
+    if isinstance(error, LibrdkafkaError):
+        return error.name == "_AUTHENTICATION"
+    return isinstance(error, _PUBLISHER_REFUSALS)
 
 
 def counts_as_failure(outcome: SendOutcome, error: BaseException | None) -> bool:

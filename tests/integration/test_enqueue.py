@@ -388,18 +388,21 @@ def _count_rows(database_url: str) -> int:
 
 
 @pytest.mark.parametrize(
+    "streaming", [{"stream_results": True}, {"yield_per": 10}], ids=["stream_results", "yield_per"]
+)
+@pytest.mark.parametrize(
     "opener", [_sa_connection, _sa_session], ids=["sa-connection", "sa-session"]
 )
 def test_a_streaming_sqlalchemy_connection_enqueues_like_any_other(
-    database_url: str, opener: Opener
+    database_url: str, opener: Opener, streaming: dict[str, Any]
 ) -> None:
     """A connection set to stream results (as yield_per does) would open a server-side
     cursor, which PostgreSQL refuses for an INSERT: the library's statements never stream,
     nor its savepoints (SQLAlchemy would DECLARE a cursor FOR SAVEPOINT); the caller's
     setting is kept."""
     with opener(database_url) as conn:
-        streaming = conn.connection() if isinstance(conn, Session) else conn
-        streaming.execution_options(stream_results=True)
+        connection = conn.connection() if isinstance(conn, Session) else conn
+        connection.execution_options(**streaming)
         message_id = outbox.enqueue(conn, "orders", b"x", idempotency_key="streamed")
         assert outbox.enqueue(conn, "orders", b"y", idempotency_key="streamed") == message_id
         # Several messages with idempotency keys: one call in a savepoint of its own.
@@ -411,7 +414,8 @@ def test_a_streaming_sqlalchemy_connection_enqueues_like_any_other(
             ],
         )
         assert many[0] == message_id
-        assert streaming.get_execution_options()["stream_results"] is True
+        options = connection.get_execution_options()
+        assert {name: options[name] for name in streaming} == streaming
         conn.commit()
     assert [(row[0], row[3]) for row in _rows(database_url)] == [
         (message_id, b"x"),

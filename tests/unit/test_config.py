@@ -11,7 +11,7 @@ import pytest
 
 from outbox.errors import OutboxError
 from publisher.cli import config_from_args
-from publisher.config import SETTINGS, ConfigError, PublisherConfig
+from publisher.config import SETTINGS, ConfigError, PublisherConfig, config_from_values
 from publisher.reconcile_cli import config_from_args as reconcile_config
 
 VALID = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
@@ -449,3 +449,18 @@ def test_retention_off_is_the_word_its_default_is_shown_as(
     base = {"OUTBOX_DATABASE_URL": "postgresql://u@h/db", "OUTBOX_KAFKA_BOOTSTRAP": "k:9092"}
     config = config_from_args(flags, environ={**base, **environ})
     assert config.purge_delivered_after == ""
+
+
+def test_python_values_take_paths_and_none_and_name_other_types(tmp_path: Path) -> None:
+    """publisher.testing passes Python values: a Path is a path, None leaves the default,
+    and a value of another type is named by its type."""
+    base = {"database_url": "postgresql://u@h/db", "kafka_bootstrap": "k:9092"}
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    config = config_from_values(
+        {**base, "kafka_security_protocol": "SSL", "kafka_ssl_cafile": ca, "batch_size": None}
+    )
+    assert config.kafka_ssl_cafile == str(ca)
+    assert config.batch_size == PublisherConfig.batch_size
+    with pytest.raises(ConfigError, match=r"batch_size = b'10' is a bytes, expected an integer"):
+        config_from_values({**base, "batch_size": b"10"})

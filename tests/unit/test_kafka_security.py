@@ -61,6 +61,52 @@ def test_defaults_are_plaintext_with_hostname_checks_on() -> None:
     assert config.kafka_ssl_check_hostname is True
 
 
+#: A client certificate and its key, encrypted with CLIENT_KEY_PASSWORD.
+CLIENT_CERT_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBmjCCAUGgAwIBAgIUZMqKpB3cxqpXXkSTpb2avH2ZYIAwCgYIKoZIzj0EAwIw
+IjEgMB4GA1UEAwwXb3V0Ym94IHVuaXQtdGVzdCBjbGllbnQwIBcNMjYxMjAzMjEx
+NjA1WhgPMjEyNjExMDkyMTE2MDVaMCIxIDAeBgNVBAMMF291dGJveCB1bml0LXRl
+c3QgY2xpZW50MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEFqC99fbwEXmPVImq
+T5CA9h4AIm/u32qG1hr/UX+2Sga7qA+uCNREKVagIgd5GhLiDDBp2syqy6RpzM9/
+KtOtnqNTMFEwHQYDVR0OBBYEFM0fWfrSx0tWYb0bJXyRMOhPusCUMB8GA1UdIwQY
+MBaAFM0fWfrSx0tWYb0bJXyRMOhPusCUMA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZI
+zj0EAwIDRwAwRAIgHSrUDLoakwDGatcTeFeybwwrN7CHf2vEFDkofBX+md4CICxu
+aG2Zbc1SFm1TGPWwHk4XVPHaYIIA02sldSSyS6Jk
+-----END CERTIFICATE-----
+"""
+CLIENT_KEY_PEM = """\
+-----BEGIN ENCRYPTED PRIVATE KEY-----
+MIHjME4GCSqGSIb3DQEFDTBBMCkGCSqGSIb3DQEFDDAcBAjI2Zp5bYpOQwICCAAw
+DAYIKoZIhvcNAgkFADAUBggqhkiG9w0DBwQITx0BeSXNVj8EgZAyOMiZtP5QtRQd
+SsJZ7La2BOwXCKZqfkm9diwJJ6+pcZJtQ+SgQOeOwZNN8KHiy6qH82+iaVfAsv+i
+ieOTlSZqK8hiwh7b7OEyuaq0hkrjqPVe0rcGV50duzy2d9wG624LYLNgzsRAH/xh
+uIjR4dQijCzZdxyzSLkyR0IqkUJLiuWlJ1n2PRKB/PAp/c/+bto=
+-----END ENCRYPTED PRIVATE KEY-----
+"""
+CLIENT_KEY_PASSWORD = "unit-test-pw"  # noqa: S105 - the test key's, nothing else's
+
+
+def test_an_encrypted_key_without_its_password_is_refused_without_a_prompt(
+    tmp_path: Path,
+) -> None:
+    """OpenSSL would ask for the passphrase on the terminal (and hang a command run from
+    a shell): refused instead, naming the settings; with its password it loads."""
+    cert, key = tmp_path / "client.crt", tmp_path / "client.key"
+    cert.write_text(CLIENT_CERT_PEM)
+    key.write_text(CLIENT_KEY_PEM)
+    env = {
+        **BASE,
+        "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SSL",
+        "OUTBOX_KAFKA_SSL_CERTFILE": str(cert),
+        "OUTBOX_KAFKA_SSL_KEYFILE": str(key),
+    }
+    with pytest.raises(ConfigError, match="an encrypted key needs OUTBOX_KAFKA_SSL_KEY_PASSWORD"):
+        KafkaSecurity.from_config(resolve({}, env))
+    with_password = {**env, "OUTBOX_KAFKA_SSL_KEY_PASSWORD": CLIENT_KEY_PASSWORD}
+    assert KafkaSecurity.from_config(resolve({}, with_password)).tls
+
+
 def test_sasl_ssl_from_environment_maps_to_both_libraries(tmp_path: Path) -> None:
     """The same settings become kafka-python arguments and librdkafka properties."""
     ca = tmp_path / "ca.pem"

@@ -429,13 +429,23 @@ def test_a_topic_that_cannot_be_described_is_not_sent_but_others_are() -> None:
     assert publisher.totals.retried == 2
 
 
-def test_with_no_broker_to_answer_one_topic_lookup_stands_for_the_batch() -> None:
-    """The first lookup finds no broker: the batch's other topics are not looked up (each
-    would wait out the same timeouts), and every message goes back to pending as in any
-    outage."""
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (kafka_errors.KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1"), "Unable to"),
+        (kafka_errors.TransactionalIdAuthorizationFailedError(), "grant the publisher's"),
+    ],
+    ids=["no-broker", "transactional-id-refused"],
+)
+def test_with_no_broker_to_answer_one_topic_lookup_stands_for_the_batch(
+    error: Exception, said: str
+) -> None:
+    """The first lookup finds no broker, or a broker that refuses the publisher itself:
+    the batch's other topics are not looked up (each would meet the same), and every
+    message goes back to pending as in any outage."""
     messages = [_message(topic) for topic in ("orders", "payments", "audit")]
     events, store, sink, publisher = _setup(*messages, partitions={"orders": 3})
-    sink.lookup_error = kafka_errors.KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:1")
+    sink.lookup_error = error
 
     publisher.run_once()
 
@@ -444,7 +454,7 @@ def test_with_no_broker_to_answer_one_topic_lookup_stands_for_the_batch() -> Non
     for s in store.settled[0]:
         assert (s.state, s.send_began) == (State.PENDING, False)
         assert s.error is not None
-        assert "Unable to bootstrap" in s.error
+        assert said in s.error
     assert set(publisher._failure_class.values()) == {OUTAGE}
 
 

@@ -392,8 +392,8 @@ def test_unreachable_means_no_broker_at_all(error: BaseException | None, unreach
         (
             kafka_errors.TransactionalIdAuthorizationFailedError(),
             "TransactionalIdAuthorizationFailedError: grant the publisher's Kafka principal "
-            "Write and Describe on TransactionalIds prefixed outbox- (docs/security.md); no "
-            "failure is counted meanwhile",
+            "Write and Describe on TransactionalIds prefixed outbox- (docs/security.md); it "
+            "counts toward --max-attempts once at most",
         ),
         (ValueError("ValueErrors galore"), "ValueError: ValueErrors galore"),
         (ValueError(""), "ValueError"),

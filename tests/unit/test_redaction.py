@@ -234,3 +234,31 @@ def test_a_database_error_is_said_without_the_statement_excerpt() -> None:
     )
     assert said(error) == "must be owner of table messages"
     assert said(ValueError("one\ntwo")) == "one\ntwo"
+    hinted = psycopg.errors.UndefinedFunction(
+        "function outbox.nofunc(integer) does not exist\nLINE 1: select outbox.nofunc(1)\n"
+        "               ^\nHINT:  No function matches the given name and argument types."
+    )
+    assert said(hinted) == (
+        "function outbox.nofunc(integer) does not exist\n"
+        "HINT:  No function matches the given name and argument types."
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "postgresql://u:pw@host/db?application_name=svc@pod",
+            "postgresql://u:***@host/db?application_name=svc@pod",
+        ),
+        (
+            "postgresql://u:pw@host/db?sslrootcert=/etc/x@y/ca.pem",
+            "postgresql://u:***@host/db?sslrootcert=/etc/x@y/ca.pem",
+        ),
+        ("postgresql://u:x?k=v@h/db", "postgresql://u:***@h/db"),
+    ],
+)
+def test_an_at_sign_in_a_query_value_keeps_the_host_shown(url: str, shown: str) -> None:
+    """The start-up line shows which database: an '@' in a query value does not end the
+    user info (a password with a '?' and '=' in it is still hidden whole)."""
+    assert redact(url) == shown
