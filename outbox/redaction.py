@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 from typing import NoReturn
@@ -242,12 +242,51 @@ def connect_errors_redacted(conninfo: str) -> Iterator[None]:
 
 
 def check_conninfo(conninfo: str) -> None:
-    """Raise ``DatabaseURLError`` when libpq cannot parse ``conninfo`` (before connecting)."""
+    """Raise ``DatabaseURLError`` when libpq cannot parse ``conninfo``, or would refuse one
+    of its settings, before connecting."""
     problem = driver_url_problem(conninfo)
     if problem:
         raise DatabaseURLError(problem)
     with connect_errors_redacted(conninfo):
-        conninfo_to_dict(conninfo)
+        parts = conninfo_to_dict(conninfo)
+    problem = libpq_choice_problem(parts)
+    if problem:
+        raise DatabaseURLError(f"the database URL {problem}")
+
+
+#: libpq's settings that take one word of a fixed set, and the words, compared
+#: exactly as libpq (18) does. libpq checks them only when it connects, and a
+#: connection refused there cannot be told from an unreachable server (psycopg
+#: gives neither a SQLSTATE): a publisher would retry a typo for ever.
+LIBPQ_CHOICES: dict[str, tuple[str, ...]] = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "load_balance_hosts": ("disable", "random"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+}
+
+
+def libpq_choice_problem(parts: Mapping[str, object]) -> str | None:
+    """What libpq would refuse in ``parts`` (a parsed connection string) at connecting:
+    a setting of ``LIBPQ_CHOICES`` given a word it does not take; ``None`` if none.
+
+    The words are not secrets: the value is quoted, with the words libpq takes.
+    """
+    for name, words in LIBPQ_CHOICES.items():
+        value = parts.get(name)
+        if value is not None and value not in words:
+            return f"sets {name}={str(value)!r} (libpq takes {', '.join(words)})"
+    return None
 
 
 def driver_url_problem(url: str) -> str | None:

@@ -26,7 +26,7 @@ from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.errors import OutboxError
-from outbox.redaction import driver_url_problem, parse_reason
+from outbox.redaction import driver_url_problem, libpq_choice_problem, parse_reason
 from outbox.redaction import redact as redact  # noqa: PLC0414 - moved there; callers keep this name
 from outbox.retention import MIN_DELIVERED_AGE, parse_duration
 
@@ -522,7 +522,8 @@ def _database_url_problem(url: str) -> str | None:
     ports = str(parts.get("port") or "5432").split(",")
     if not all(p.isdigit() and 0 < int(p) < 65536 for p in ports):
         return f"database URL {shown!r} has an invalid port {parts.get('port')!r}"
-    return None
+    choice = libpq_choice_problem(parts)
+    return f"database URL {shown!r} {choice}" if choice else None
 
 
 # --- the settings, declared once -------------------------------------------------

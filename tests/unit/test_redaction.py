@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from urllib.parse import quote
 
@@ -10,6 +11,7 @@ import pytest
 
 from outbox.errors import said
 from outbox.redaction import (
+    LIBPQ_CHOICES,
     REDACTED,
     DatabaseURLError,
     SecretSafeArgumentParser,
@@ -262,3 +264,47 @@ def test_an_at_sign_in_a_query_value_keeps_the_host_shown(url: str, shown: str) 
     """The start-up line shows which database: an '@' in a query value does not end the
     user info (a password with a '?' and '=' in it is still hidden whole)."""
     assert redact(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("sslmode=bogus", "sslmode='bogus' (libpq takes disable, allow, prefer, require,"),
+        ("sslmode=Require", "sslmode='Require'"),
+        ("sslmode=", "sslmode=''"),
+        ("target_session_attrs=primary-only", "target_session_attrs='primary-only'"),
+        ("gssencmode=on", "gssencmode='on'"),
+        ("channel_binding=yes", "channel_binding='yes'"),
+    ],
+)
+def test_a_setting_libpq_refuses_only_when_connecting_is_refused_before(
+    query: str, named: str
+) -> None:
+    """libpq checks these words only when it connects, and psycopg's error then looks like
+    an unreachable server's: the publisher retried a typo for ever. The outbox commands,
+    the recorder and the publisher's config refuse it at once, naming the setting."""
+    url = f"postgresql://u:{SECRET}@h/db?{query}"
+    with pytest.raises(DatabaseURLError, match=re.escape(f"the database URL sets {named}")):
+        check_conninfo(url)
+    with pytest.raises(ConfigError, match=re.escape(named)) as refused:
+        resolve({"database_url": url, "kafka_bootstrap": "k:9092"}, {}, None)
+    assert SECRET not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [f"{name}={word}" for name, words in LIBPQ_CHOICES.items() for word in words],
+)
+def test_the_table_takes_what_libpq_takes(query: str) -> None:
+    """Each word of the table is one libpq takes, and a word out of it one libpq refuses
+    (asked through a socket directory that does not exist: nothing is connected to)."""
+    check_conninfo(f"postgresql://u@h/db?{query}")
+    name = query.partition("=")[0]
+    for setting, refused in ((query, False), (f"{name}=bogus", True)):
+        conninfo = f"host=/nonexistent-outbox-socket-dir port=1 {setting}"
+        pgconn = psycopg.pq.PGconn.connect_start(conninfo.encode())
+        try:
+            said_by_libpq = pgconn.error_message.decode()
+        finally:
+            pgconn.finish()
+        assert (f"invalid {name} value" in said_by_libpq) is refused, said_by_libpq
