@@ -17,6 +17,7 @@ from outbox.enqueue import Message, Outbox, enqueue, enqueue_many
 from outbox.errors import (
     ConnectionNotSupported,
     HeadersTooLarge,
+    IdempotencyKeyRace,
     InvalidHeaders,
     InvalidIdempotencyKey,
     InvalidKey,
@@ -39,6 +40,7 @@ __all__ = [
     "ID_HEADER",
     "ConnectionNotSupported",
     "HeadersTooLarge",
+    "IdempotencyKeyRace",
     "InvalidHeaders",
     "InvalidIdempotencyKey",
     "InvalidKey",

@@ -28,7 +28,7 @@ from outbox.connection import (
     async_executor_for,
     executor_for,
 )
-from outbox.errors import InvalidMessage, OutboxError
+from outbox.errors import IdempotencyKeyRace, InvalidMessage
 from outbox.intent import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_KEY_BYTES,
@@ -285,7 +285,7 @@ def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
         elif i.idempotency_key in existing:
             ids.append(existing[i.idempotency_key])
         else:  # the conflicting row vanished between the two statements (a purge)
-            raise OutboxError(
+            raise IdempotencyKeyRace(
                 f"idempotency key {i.idempotency_key!r} conflicted but its message is gone; "
                 "retry the transaction"
             )

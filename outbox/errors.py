@@ -53,6 +53,12 @@ class InvalidIdempotencyKey(InvalidMessage):
     surrogate, or is longer than 1,024 bytes in UTF-8 (it is kept in a unique index)."""
 
 
+class IdempotencyKeyRace(OutboxError):
+    """The idempotency key was taken by a message that was deleted (purged by retention)
+    before the key could be looked up. Nothing of the call was written: retrying the
+    enqueue writes it anew."""
+
+
 class ConnectionNotSupported(OutboxError, TypeError):
     """``conn`` is not a SQLAlchemy Session/Connection or a psycopg 3 Connection."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import secrets
 import threading
 import uuid
@@ -21,6 +22,9 @@ from outbox.enqueue import MAX_ROWS_PER_STATEMENT
 from tests.support import submit_until_waiting, wait_until, waiting_on_lock
 
 pytestmark = pytest.mark.integration
+
+#: The module, which ``outbox.enqueue`` (the function) hides.
+outbox_enqueue = importlib.import_module("outbox.enqueue")
 
 
 def _sa_url(database_url: str) -> str:
@@ -323,6 +327,46 @@ def test_idempotency_key_race_between_two_transactions(
     else:
         assert second_id != first_id
         assert [(row[0], row[3]) for row in rows] == [(second_id, b"second")]
+
+
+@pytest.mark.parametrize("with_new_message", [False, True], ids=["alone", "with-a-new-one"])
+def test_a_key_whose_message_is_purged_mid_call_raises_a_race_and_writes_nothing(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, with_new_message: bool
+) -> None:
+    """The INSERT finds the key taken; before the lookup, the message is deleted (as a
+    purge does): IdempotencyKeyRace, nothing of the call kept, the transaction usable, and
+    the enqueue retried writes the message anew."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, "orders", b"old", idempotency_key="k-gone")
+    real_executor_for = outbox_enqueue.executor_for
+
+    class PurgeAfterInsert:
+        def __init__(self, conn: object) -> None:
+            self.inner = real_executor_for(conn)
+            self.statements = 0
+
+        def fetchall(self, sql: str, params: Any) -> Any:
+            rows = self.inner.fetchall(sql, params)
+            self.statements += 1
+            if self.statements == 1:  # the INSERT: delete the message it conflicted with
+                with psycopg.connect(database_url, autocommit=True) as other:
+                    other.execute("DELETE FROM outbox.messages WHERE idempotency_key = 'k-gone'")
+            return rows
+
+        def savepoint(self) -> AbstractContextManager[None]:
+            return self.inner.savepoint()
+
+    monkeypatch.setattr(outbox_enqueue, "executor_for", PurgeAfterInsert)
+    messages = [outbox.Message("orders", b"new", idempotency_key="k-gone")]
+    if with_new_message:
+        messages.insert(0, outbox.Message("orders", b"other", key="k"))
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(outbox.IdempotencyKeyRace, match="'k-gone' conflicted but its message"):
+            outbox.enqueue_many(conn, messages)
+        monkeypatch.setattr(outbox_enqueue, "executor_for", real_executor_for)
+        assert conn.execute("SELECT count(*) FROM outbox.messages").fetchone() == (0,)
+        retried = outbox.enqueue_many(conn, messages)
+    assert [row[0] for row in _rows(database_url)] == retried
 
 
 def test_many_concurrent_writers_with_one_key_make_one_row(database_url: str) -> None:
