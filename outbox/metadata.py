@@ -158,6 +158,8 @@ publishers = sa.Table(
     sa.Column("heartbeat_at", _tstz(), nullable=False, server_default=_NOW),
     sa.Column("stopped_at", _tstz()),
     sa.Column("transactional_id", sa.Text),
+    sa.Column("lease_seconds", sa.Double),
+    sa.CheckConstraint("lease_seconds > 0", name="publishers_lease_seconds_check"),
     sa.PrimaryKeyConstraint("id", name="publishers_pkey"),
 )
 

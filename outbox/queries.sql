@@ -1092,8 +1092,8 @@ SET LOCAL lock_timeout = '500ms';
 LOCK TABLE outbox.wakeup IN SHARE MODE
 
 -- name: register_publisher
-INSERT INTO outbox.publishers (id, host, pid, version)
-VALUES (%(id)s, %(host)s, %(pid)s, %(version)s)
+INSERT INTO outbox.publishers (id, host, pid, version, lease_seconds)
+VALUES (%(id)s, %(host)s, %(pid)s, %(version)s, %(lease_seconds)s)
 
 -- name: heartbeat
 -- Say this publisher is alive and, when asked to, renew the leases that would
@@ -1138,12 +1138,15 @@ WHERE l.lane IN (SELECT lane FROM outbox.lanes
 RETURNING l.lane
 
 -- name: fair_share
--- How many lanes each live publisher should own (rounded up).
+-- How many lanes each live publisher should own (rounded up). A publisher is
+-- live until its own lease has passed since its last heartbeat (the caller's
+-- lease for one that recorded none: registered before 0015).
 SELECT ceil((SELECT count(*) FROM outbox.lanes)::numeric
             / greatest(count(*), 1))::integer
 FROM outbox.publishers
 WHERE stopped_at IS NULL
-  AND heartbeat_at > now() - make_interval(secs => %(lease_seconds)s::float8)
+  AND heartbeat_at > now() - make_interval(
+        secs => coalesce(lease_seconds, %(lease_seconds)s::float8))
 
 -- name: acquire_lanes
 -- Take up to %(count)s lanes that nobody owns or whose owner's lease expired.

@@ -272,7 +272,7 @@ class Publisher:
         answered. A database that is away at start is waited for, as at any other time."""
         while True:
             try:
-                self.store.register(self._version, self._pid)
+                self.store.register(self._version, self._pid, self.config.lease_seconds)
                 break
             except psycopg.OperationalError as exc:
                 log.warning("database unavailable at start (%s); retrying", exc)

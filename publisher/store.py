@@ -207,13 +207,20 @@ class PublisherStore:
 
     # --- the publisher's own record ---------------------------------------
 
-    def register(self, version: str, pid: int) -> None:
-        """Record this publisher process in ``outbox.publishers``; raise ``SchemaBehind`` if
-        the database lacks a migration this version ships."""
+    def register(self, version: str, pid: int, lease_seconds: float) -> None:
+        """Record this publisher process, and the lease by which others judge it alive, in
+        ``outbox.publishers``; raise ``SchemaBehind`` if the database lacks a migration this
+        version ships."""
         require_current_schema(self.conn, "outbox-publisher")
         self.conn.execute(
             query("register_publisher"),
-            {"id": self.publisher_id, "host": socket.gethostname(), "pid": pid, "version": version},
+            {
+                "id": self.publisher_id,
+                "host": socket.gethostname(),
+                "pid": pid,
+                "version": version,
+                "lease_seconds": float(lease_seconds),
+            },
         )
 
     def heartbeat(

@@ -29,7 +29,7 @@ def _heartbeat(
     loop_alive: Callable[[], bool] = lambda: True,
 ) -> tuple[PublisherStore, Heartbeat]:
     store = PublisherStore(database_url, uuid.uuid4())
-    store.register("test", 0)
+    store.register("test", 0, lease_seconds)
     # By default a heartbeat interval far longer than the handover may take.
     beat = Heartbeat(
         store,
@@ -105,6 +105,34 @@ def test_a_publisher_whose_loop_stopped_turning_lets_its_lanes_go_to_the_others(
         if other_beat is not None:
             other_beat.stop()
         stuck_beat.stop()
+
+
+def test_a_dead_publisher_is_judged_by_its_own_lease_not_the_survivors(
+    database_url: str,
+) -> None:
+    """Leases differ (a rolling change of --lease-seconds): the one with a 3 s lease dies;
+    the survivor, whose lease is 60 s, takes its lanes once they expire, not after 60 s
+    (it counted the dead one live for its own lease)."""
+    dead, dead_beat = _heartbeat(database_url, interval=1, lease_seconds=3)
+    survivor_beat = None
+    try:
+        survivor, survivor_beat = _heartbeat(database_url, interval=1, lease_seconds=60)
+        wait_until(
+            lambda: _owned(database_url, survivor) == LANES // 2,
+            timeout=8,
+            what="the lanes to be shared",
+        )
+        dead_beat.stop(give_lanes_back=False)  # it dies: no stop record, lanes kept
+        wait_until(
+            lambda: _owned(database_url, survivor) == LANES,
+            timeout=15,
+            what="the dead publisher's lanes to move to the survivor",
+        )
+        assert _owned(database_url, dead) == 0
+    finally:
+        if survivor_beat is not None:
+            survivor_beat.stop()
+        dead_beat.stop()
 
 
 def _stale_claim_of(database_url: str, store: ClaimingStore, batch: Batch) -> Batch:

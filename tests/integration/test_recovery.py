@@ -96,7 +96,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
     """A lease that expired after sending began makes the message uncertain, never pending."""
     [message_id] = _enqueue(database_url)
     store = claiming_store(database_url)
-    store.register("test", os.getpid())
+    store.register("test", os.getpid(), 30)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
     assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=60) == {message_id}
@@ -136,7 +136,7 @@ def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None
     """Recovery does not touch a lease that has not expired, however stale the heartbeat."""
     [message_id] = _enqueue(database_url)
     store = claiming_store(database_url)
-    store.register("test", os.getpid())
+    store.register("test", os.getpid(), 30)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
     assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == {message_id}
@@ -189,7 +189,7 @@ def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None
     """renew=True extends live leases within half a lease of expiry; renew=False only heartbeats."""
     _enqueue(database_url, 3)
     store = claiming_store(database_url)
-    store.register("test", os.getpid())
+    store.register("test", os.getpid(), 30)
     # One batch each: the lease is the batch's.
     soon, later, expired = (store.claim(1, lease_seconds=30) for _ in range(3))
     assert soon is not None

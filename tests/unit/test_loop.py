@@ -84,7 +84,7 @@ class FakeStore(PublisherStore):
         """Record the close."""
         self.events.append("store.close")
 
-    def register(self, version: str, pid: int) -> None:
+    def register(self, version: str, pid: int, lease_seconds: float) -> None:
         """Record the registration."""
         self.events.append("register")
         self.registered.append((version, pid))
@@ -503,12 +503,12 @@ class AbsentAtStartStore(FakeStore):
         super().__init__(events, [])
         self.refusals = refusals
 
-    def register(self, version: str, pid: int) -> None:
+    def register(self, version: str, pid: int, lease_seconds: float) -> None:
         if self.refusals:
             self.refusals -= 1
             self.events.append("register refused")
             raise psycopg.OperationalError("connection refused")
-        super().register(version, pid)
+        super().register(version, pid, lease_seconds)
 
 
 def test_a_database_away_at_start_is_waited_for_then_the_publisher_runs() -> None:

@@ -1,0 +1,25 @@
+-- 0015: each publisher is judged alive by its own lease.
+--
+-- A publisher computes its fair share of the lanes from the number of live
+-- publishers (fair_share in outbox/queries.sql): those that beat more
+-- recently than a lease ago. It used its own --lease-seconds for every
+-- publisher, and leases can differ (a rolling change of the setting):
+--
+-- * a publisher with a longer lease counted a dead one whose lease was
+--   shorter as live for that longer lease: the dead one's lanes, expired,
+--   waited until then before the survivors took more than their old share;
+-- * a publisher with a shorter lease than another's heartbeat interval (up
+--   to a third of that one's lease) counted it dead between its heartbeats:
+--   its own share was too large, and it kept lanes a publisher that started
+--   was owed.
+--
+-- Now a publisher records its lease when it registers, and is counted live
+-- while its last heartbeat is more recent than its own lease ago. Rows
+-- without one (publishers registered before, or by an older version) are
+-- judged by the counting publisher's lease, as before.
+--
+-- The publisher role needs INSERT on the new column: run outbox migrate
+-- --create-roles, as at every upgrade. Adding a nullable column rewrites
+-- nothing; it locks outbox.publishers (a handful of rows) for a moment.
+ALTER TABLE outbox.publishers
+    ADD COLUMN lease_seconds double precision CHECK (lease_seconds > 0);
