@@ -76,7 +76,7 @@ def _vacuum(url: str) -> None:
 
 def _store(url: str) -> PublisherStore:
     store = PublisherStore(url, uuid.uuid4())
-    store.register("bench", 0)
+    store.register("bench", 0, LEASE_SECONDS)
     store.acquire_lanes(32, LEASE_SECONDS)
     return store
 

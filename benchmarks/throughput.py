@@ -174,7 +174,7 @@ def database_cycle(
             # As the publisher then ran them: every statement planned at each
             # run, none prepared (today's claim is, see PublisherStore.conn).
             store.conn.prepare_threshold = None
-        store.register("bench", 0)
+        store.register("bench", 0, 60)
         store.acquire_lanes(1_000, 60)  # every lane
         offset = 0
         start = time.perf_counter()

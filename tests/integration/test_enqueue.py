@@ -18,6 +18,7 @@ from psycopg.types.string import TextLoader
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
+from outbox.connection import executor_for
 from outbox.enqueue import MAX_ROWS_PER_STATEMENT
 from tests.support import submit_until_waiting, wait_until, waiting_on_lock
 
@@ -338,11 +339,10 @@ def test_a_key_whose_message_is_purged_mid_call_raises_a_race_and_writes_nothing
     the enqueue retried writes the message anew."""
     with psycopg.connect(database_url) as conn:
         outbox.enqueue(conn, "orders", b"old", idempotency_key="k-gone")
-    real_executor_for = outbox_enqueue.executor_for
 
     class PurgeAfterInsert:
         def __init__(self, conn: object) -> None:
-            self.inner = real_executor_for(conn)
+            self.inner = executor_for(conn)
             self.statements = 0
 
         def fetchall(self, sql: str, params: Any) -> Any:
@@ -363,7 +363,7 @@ def test_a_key_whose_message_is_purged_mid_call_raises_a_race_and_writes_nothing
     with psycopg.connect(database_url) as conn:
         with pytest.raises(outbox.IdempotencyKeyRace, match="'k-gone' conflicted but its message"):
             outbox.enqueue_many(conn, messages)
-        monkeypatch.setattr(outbox_enqueue, "executor_for", real_executor_for)
+        monkeypatch.setattr(outbox_enqueue, "executor_for", executor_for)
         assert conn.execute("SELECT count(*) FROM outbox.messages").fetchone() == (0,)
         retried = outbox.enqueue_many(conn, messages)
     assert [row[0] for row in _rows(database_url)] == retried
