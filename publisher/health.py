@@ -35,6 +35,7 @@ from kafka import KafkaAdminClient
 from kafka import errors as kafka_errors
 
 from publisher.kafka_security import PLAINTEXT, KafkaSecurity
+from publisher.outcomes import refuses_publisher
 from publisher.service import BackgroundService
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ CODES = (
     "database_unavailable",  # the last database contact failed
     "kafka_not_contacted",  # no Kafka contact yet (starting)
     "kafka_unavailable",  # the last Kafka contact failed
+    "kafka_refused",  # the broker refuses this publisher itself (an ACL, its login)
     "starting",  # the loop has not started yet
     "stopping",  # a stop was requested; the batch in hand is being finished
     "loop_stalled",  # the loop has not turned within its limit
@@ -95,6 +97,10 @@ class Contact:
             self.ok, self.error_type = False, kind
             self.last_at = self._clock()
 
+    def answered(self) -> None:
+        """The dependency answered a question of the probe's (see ``KafkaContact``)."""
+        self.succeeded()
+
     def age(self) -> float | None:
         """Seconds since the last contact, either way; ``None`` if never."""
         last = self.last_at
@@ -109,6 +115,43 @@ class Contact:
         if not ok:
             return f"{self.name}_unavailable"
         return None
+
+
+class KafkaContact(Contact):
+    """Kafka's contact, which also remembers that the broker refused this publisher itself
+    (``refuses_publisher``: an ACL on its TransactionalIds or the cluster, its login).
+
+    The broker is up, and ``ok`` (``outbox_kafka_up``) says so, but the
+    publisher cannot deliver until someone grants what is missing: readiness
+    says ``kafka_refused``. The probe's cluster description and the
+    reconciler's reads (``answered``) say that the broker is there, not that
+    it lets this publisher write: only a contact of the publisher's own that
+    succeeds (a lookup, a send) lifts the refusal.
+    """
+
+    def __init__(self, clock: Clock, wall: Clock) -> None:
+        super().__init__("kafka", clock, wall)
+        self.refused = False
+
+    def succeeded(self) -> None:
+        """The broker answered the publisher: whatever it refused before, it lets it now."""
+        super().succeeded()
+        self.refused = False
+
+    def failed(self, error: BaseException | str) -> None:
+        """As ``Contact.failed``; a refusal of the publisher itself is kept until a
+        ``succeeded``."""
+        super().failed(error)
+        if not isinstance(error, str) and refuses_publisher(error):
+            self.refused = True
+
+    def answered(self) -> None:
+        """The broker answered a question anyone may ask: it is up; a refusal stays."""
+        Contact.succeeded(self)
+
+    def problem(self) -> str | None:
+        """``kafka_refused`` while the broker refuses the publisher, else as any contact."""
+        return "kafka_refused" if self.refused else super().problem()
 
 
 @dataclass(frozen=True)
@@ -141,7 +184,7 @@ class Health:
         self._clock = clock
         self._wall = wall
         self.database = Contact("database", clock, wall)
-        self.kafka = Contact("kafka", clock, wall)
+        self.kafka = KafkaContact(clock, wall)
         self.registered = False
         self.stopping = False
         #: ``starting`` -> ``running`` -> ``ended``.
@@ -228,7 +271,7 @@ class KafkaProbe(BackgroundService):
                 log.warning("Kafka is not reachable: %s: %s", type(exc).__name__, exc)
             self._contact.failed(exc)
         else:
-            self._contact.succeeded()
+            self._contact.answered()
         return True
 
 

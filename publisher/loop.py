@@ -1115,7 +1115,7 @@ class Publisher:
         resolved.labels("pending").inc(len(report.pending))
         resolved.labels("escalated").inc(len(report.escalated))
         if report.decided or report.deferred:
-            self.health.kafka.succeeded()  # the scanner read from the broker
+            self.health.kafka.answered()  # the scanner read from the broker
 
     def _idle_wait(self) -> float | None:
         """Seconds to sleep when a claim found nothing; ``None`` to exit when idle."""

@@ -133,7 +133,8 @@ def test_a_publisher_refused_its_transactional_id_quarantines_nothing(
 ) -> None:
     """No right to its TransactionalIds says nothing about the messages: however many
     batches fail for it, none counts toward --max-attempts (none is quarantined), each
-    message's last_error names the refusal, and once the ACL is granted they go out."""
+    message's last_error names the refusal, /readyz says kafka_refused, and once the ACL is
+    granted they go out."""
     publisher_id = uuid.uuid4()
     acl = deny(
         kafka_bootstrap,
@@ -165,6 +166,11 @@ def test_a_publisher_refused_its_transactional_id_quarantines_nothing(
                 timeout=60,
                 what="the messages tried more often than --max-attempts",
             )
+            # The broker is up, but the publisher cannot deliver: not ready, and the
+            # probe's cluster description does not make it so.
+            assert publisher.health.readiness().checks["kafka"] == "kafka_refused"
+            publisher.health.kafka.answered()
+            assert publisher.health.readiness().checks["kafka"] == "kafka_refused"
         finally:
             publisher.request_stop()
             running.result(timeout=60)

@@ -194,3 +194,24 @@ def test_the_kafka_probe_thread_probes_at_start_and_stops_promptly() -> None:
         started = time.monotonic()
         probe.stop()
     assert time.monotonic() - started < 5
+
+
+def test_a_broker_that_refuses_the_publisher_keeps_it_unready_whatever_the_probe_hears() -> None:
+    """A refused TransactionalId (or cluster right, or login) is kafka_refused: the probe's
+    cluster description, which anyone may ask, shows the broker up (outbox_kafka_up) but does
+    not make the publisher ready; only a contact of its own that succeeds does."""
+    clock = FakeClock()
+    health = _ready(clock)
+    health.kafka.failed(kafka_errors.TransactionalIdAuthorizationFailedError("denied"))
+    assert health.readiness().checks["kafka"] == "kafka_refused"
+    clock.now += 30
+    probe = KafkaProbe(health.kafka, lambda: None, interval=10)
+    assert probe.run_once()
+    assert health.kafka.ok is True
+    assert health.readiness().checks["kafka"] == "kafka_refused"
+    health.kafka.failed(kafka_errors.KafkaTimeoutError("no broker"))  # then an outage
+    assert health.readiness().checks["kafka"] == "kafka_refused"
+    health.kafka.succeeded()  # a lookup or a send went through: granted
+    assert health.readiness().ok
+    health.kafka.failed(kafka_errors.KafkaTimeoutError("no broker"))
+    assert health.readiness().checks["kafka"] == "kafka_unavailable"
