@@ -182,7 +182,8 @@ attempts = sa.Table(
     sa.Column("batch_id", sa.BigInteger),
     sa.PrimaryKeyConstraint("message_id", "attempt", name="attempts_pkey"),
     sa.CheckConstraint(
-        "outcome IS NULL OR outcome IN ('delivered', 'failed', 'uncertain', 'abandoned')",
+        "outcome IS NULL "
+        "OR outcome IN ('delivered', 'failed', 'uncertain', 'abandoned', 'recovered')",
         name="attempts_outcome_known",
     ),
 )

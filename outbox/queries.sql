@@ -473,7 +473,7 @@ SELECT id FROM settled
 -- name: recover_expired_leases
 -- Close open batches whose lease expired and move their messages by the
 -- batch's evidence: nothing was sent (send_began_at is NULL) -> pending;
--- sending may have begun -> uncertain. Each gets an 'abandoned' attempt
+-- sending may have begun -> uncertain. Each gets a 'recovered' attempt
 -- saying why. The batch rows are locked (see mark_sending); locked ones are
 -- left for the next pass. The partition an earlier attempt stored is
 -- cleared: the reconciler derives this attempt's from the batch's evidence.
@@ -482,7 +482,8 @@ SELECT id FROM settled
 -- publisher killed or cut off for reasons of its own. No failure is
 -- counted, since the batch says nothing of which message it was. A message
 -- recovered for the second time in a row (its previous attempt was
--- abandoned too) is marked suspect (send_alone): the claim takes it alone
+-- 'recovered' too; one the publisher gave back unsent, 'abandoned', is not)
+-- is marked suspect (send_alone): the claim takes it alone
 -- from then on. A first recovery marks nothing, so one killed publisher
 -- costs its batches one more claim each, not one claim per message (a soak
 -- that killed a publisher with 1,000 messages in hand sent them one per
@@ -518,12 +519,12 @@ WITH expired AS (
     FROM expired AS e
     LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
 ), members AS (
-    -- again: the message's previous attempt was abandoned by a recovery too.
+    -- again: the message's previous attempt was ended by a recovery too.
     SELECT u.id, d.id AS batch_id,
            EXISTS (SELECT 1
                    FROM outbox.messages AS p
                    JOIN outbox.attempts AS a ON a.message_id = p.id AND a.attempt = p.attempts
-                   WHERE p.id = u.id AND a.outcome = 'abandoned') AS again
+                   WHERE p.id = u.id AND a.outcome = 'recovered') AS again
     FROM decided AS d
     CROSS JOIN LATERAL unnest(d.message_ids) AS u(id)
 ), moved AS (
@@ -562,7 +563,7 @@ WITH expired AS (
         (message_id, attempt, publisher_id, fence, started_at, send_began, finished_at,
          outcome, error, batch_id)
     SELECT id, attempts, publisher_id, fence, claimed_at, send_began_at IS NOT NULL, now(),
-           'abandoned', reason, batch_id
+           'recovered', reason, batch_id
     FROM moved
     ON CONFLICT (message_id, attempt) DO NOTHING
 )

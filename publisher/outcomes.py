@@ -48,9 +48,12 @@ class AttemptOutcome(StrEnum):
     #: It may be in Kafka: the reconciler decides.
     UNCERTAIN = "uncertain"
     #: Given back unsent (held back, the hand-over window closed, the publisher
-    #: stopping, its transaction aborted), or recovered after its lease
-    #: expired: no failure is counted.
+    #: stopping, its transaction aborted): no failure is counted.
     ABANDONED = "abandoned"
+    #: Ended by recovery after its batch's lease expired (written by the
+    #: ``recover_expired_leases`` query, since 0016): no failure is counted,
+    #: but a second in a row marks the message suspect.
+    RECOVERED = "recovered"
 
 
 #: The attempt outcome recorded for each send outcome.

@@ -196,13 +196,13 @@ def test_crash_at_each_cut_ends_with_every_message_delivered_exactly_once(
     evidence = _finish(database_url, kafka_bootstrap, topic, ids, *mode, committed=committed)
     decisions = _decisions(database_url)
 
-    # The crashed batch left its evidence: an abandoned attempt per message,
+    # The crashed batch left its evidence: a recovered attempt per message,
     # saying whether sending had begun; uncertain ones were decided from Kafka.
     if cut == "after_confirm":
-        assert evidence == ([("abandoned", False, TOTAL - 2 * BATCH)] if claimed_ahead else [])
+        assert evidence == ([("recovered", False, TOTAL - 2 * BATCH)] if claimed_ahead else [])
         assert decisions == {}
     else:
-        assert evidence == [("abandoned", cut != "after_claim", BATCH)]
+        assert evidence == [("recovered", cut != "after_claim", BATCH)]
     if cut == "after_claim":
         assert decisions == {}
     if cut in ("after_send", "after_ack") and transactional:
@@ -267,7 +267,7 @@ def test_a_crash_with_a_batch_claimed_ahead_returns_it_unsent(
     with psycopg.connect(database_url) as conn:
         decisions = conn.execute("SELECT count(*) FROM outbox.decisions").fetchone()
     # Recovered as never sent: back to pending, nothing to reconcile.
-    assert evidence == [("abandoned", False, BATCH)]
+    assert evidence == [("recovered", False, BATCH)]
     assert decisions == (0,)
 
 
@@ -362,7 +362,7 @@ def test_transactional_crash_before_the_commit_is_fenced_proven_absent_and_resen
     assert _ids_in_kafka(kafka_bootstrap, topic, committed=True) == committed_before
 
     evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
-    assert evidence == [("abandoned", True, BATCH)]
+    assert evidence == [("recovered", True, BATCH)]
     assert _decisions(database_url) == {"pending": BATCH}
     # A read_uncommitted consumer may also read what the crashed transaction
     # wrote before it was aborted: copies of its batch only.
@@ -418,7 +418,7 @@ def test_transactional_crash_after_the_commit_is_fenced_found_and_not_resent(
     assert stored == committed_at  # where the committed transaction wrote them
 
     evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
-    assert evidence == [("abandoned", True, BATCH)]
+    assert evidence == [("recovered", True, BATCH)]
     assert _decisions(database_url) == {"delivered": BATCH}
     # Nothing was aborted or sent again: even a read_uncommitted consumer
     # reads each message once.
@@ -480,7 +480,7 @@ def test_transactional_crash_in_a_transaction_of_several_batches_decides_them_to
         assert (delivered, set(pending)) == ([], set(ids))
 
     evidence = _finish(database_url, kafka_bootstrap, topic, ids, *TRANSACTIONAL, committed=True)
-    assert evidence == [("abandoned", True, TOTAL)]
+    assert evidence == [("recovered", True, TOTAL)]
     assert _decisions(database_url) == {"delivered" if committed else "pending": TOTAL}
 
 

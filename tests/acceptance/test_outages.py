@@ -174,7 +174,7 @@ def test_database_restart_mid_run_reconnects_without_breaking_a_fence(
         # lost while the database was away); one recovered is decided from Kafka.
         stale = conn.execute(
             "SELECT count(*) FROM outbox.messages AS m JOIN outbox.attempts AS a "
-            "ON a.message_id = m.id AND a.batch_id = m.batch_id AND a.outcome = 'abandoned' "
+            "ON a.message_id = m.id AND a.batch_id = m.batch_id AND a.outcome = 'recovered' "
             "WHERE m.state = 'delivered' "
             "AND NOT EXISTS (SELECT 1 FROM outbox.decisions AS d WHERE d.message_id = m.id)"
         ).fetchone()

@@ -101,7 +101,7 @@ def test_settle_of_a_batch_recovery_closed_changes_nothing(database_url: str) ->
             "SELECT outcome FROM outbox.attempts WHERE message_id = %s ORDER BY attempt",
             (message_id,),
         ).fetchall()
-    assert attempts == [("abandoned",)]  # recovery's record; nothing from the stale settle
+    assert attempts == [("recovered",)]  # recovery's record; nothing from the stale settle
 
     current = Settlement(
         message_id,

@@ -11,9 +11,12 @@ import psycopg
 import pytest
 
 import outbox
+from outbox.states import State
 from publisher.app import build_publisher
 from publisher.config import PublisherConfig
+from publisher.outcomes import AttemptOutcome
 from publisher.sink import InFlight, OutgoingRecord, SendWindow, Sink
+from publisher.store import Settlement
 from tests.support import (
     claiming_store,
     create_topic,
@@ -147,6 +150,50 @@ def _expire_and_recover(database_url: str, store: Any, expected: int) -> None:
         what="the leases to expire",
     )
     assert len(store.recover_expired_leases()) == expected
+
+
+def test_a_batch_given_back_unsent_then_recovered_once_is_not_suspect(
+    database_url: str, topic: str
+) -> None:
+    """A publisher gave its batch back unsent (it was stopping: an 'abandoned' attempt); the
+    next claim's publisher is killed. One recovery: the messages are not suspect (after a
+    rolling restart and one crash, a backlog would otherwise go out one message per batch).
+    Recovery's attempts are 'recovered'."""
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(conn, [outbox.Message(topic, f"m{i}") for i in range(3)])
+    store = claiming_store(database_url)
+    try:
+        released = store.claim(10, lease_seconds=30)
+        assert released is not None
+        store.settle(
+            released,
+            [
+                Settlement(
+                    message_id=m.id,
+                    fence=m.fence,
+                    state=State.PENDING,
+                    attempt_outcome=AttemptOutcome.ABANDONED,
+                    error="not sent: the publisher is stopping",
+                    send_began=False,
+                )
+                for m in released.messages
+            ],
+        )
+        crashed = store.claim(10, lease_seconds=0.3)
+        assert crashed is not None
+        assert [m.id for m in crashed.messages] == ids
+        _expire_and_recover(database_url, store, 3)
+    finally:
+        store.close()
+    rows = fetch_rows(
+        database_url,
+        "SELECT id, state, failures, send_alone, last_error FROM outbox.messages ORDER BY seq",
+    )
+    assert [r[:4] for r in rows] == [(m, "pending", 0, False) for m in ids]
+    assert all(r[4].endswith("no failure is counted") for r in rows), rows
+    assert fetch_rows(
+        database_url, "SELECT outcome, count(*) FROM outbox.attempts GROUP BY 1 ORDER BY 1"
+    ) == [("abandoned", 3), ("recovered", 3)]
 
 
 def test_publishers_killed_with_healthy_messages_quarantine_none(

@@ -80,7 +80,7 @@ def test_expired_lease_of_a_batch_that_never_sent_goes_back_to_pending_once(
         "JOIN outbox.messages AS m ON m.id = a.message_id ORDER BY m.seq",
     )
     assert [a[:8] for a in attempts] == [
-        (m, 1, store.publisher_id, 1, "abandoned", False, batch.id, True) for m in ids
+        (m, 1, store.publisher_id, 1, "recovered", False, batch.id, True) for m in ids
     ]
     assert all(owner in a[8] and "nothing was sent" in a[8] for a in attempts)
 
@@ -126,7 +126,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
         database_url,
         "SELECT publisher_id, fence, outcome, send_began, error FROM outbox.attempts",
     )
-    assert attempts == [(store.publisher_id, 1, "abandoned", True, last_error)]
+    assert attempts == [(store.publisher_id, 1, "recovered", True, last_error)]
     # Not claimable: an uncertain message is never resent without a decision.
     assert store.claim(10, lease_seconds=30) is None
     store.close()
