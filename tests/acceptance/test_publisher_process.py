@@ -9,9 +9,12 @@ import pytest
 
 import outbox
 from tests.support import (
+    DELIVERY_MODES,
     SINKS,
     count_by_state,
+    delivery_flags,
     read_topic,
+    reads_committed,
     start_publisher,
     stop_process,
     wait_until,
@@ -20,17 +23,21 @@ from tests.support import (
 pytestmark = pytest.mark.acceptance
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 @pytest.mark.parametrize("sink", SINKS)
 def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
-    database_url: str, kafka_bootstrap: str, topic: str, sink: str
+    database_url: str, kafka_bootstrap: str, topic: str, sink: str, delivery: str
 ) -> None:
-    """SIGTERM mid-run: exit 0, no row in_flight, every sent record confirmed exactly once."""
+    """SIGTERM mid-run: exit 0, no row in_flight, every sent record confirmed exactly once
+    (in transactional delivery, every committed one)."""
+    mode = ("--sink", sink, *delivery_flags(delivery))
+    committed = reads_committed(delivery)
     total = 20_000
     with psycopg.connect(database_url) as conn:
         outbox.enqueue_many(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i % 50}") for i in range(total)]
         )
-    process = start_publisher(database_url, kafka_bootstrap, "--batch-size", "200", "--sink", sink)
+    process = start_publisher(database_url, kafka_bootstrap, "--batch-size", "200", *mode)
     wait_until(
         lambda: count_by_state(database_url).get("delivered", 0) >= 1_000,
         timeout=60,
@@ -52,7 +59,7 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     assert stopped == (1, 1)
 
     # Everything it confirmed is in Kafka exactly once, at the stored offset.
-    records = read_topic(kafka_bootstrap, topic)
+    records = read_topic(kafka_bootstrap, topic, committed=committed)
     with psycopg.connect(database_url) as conn:
         stored = {
             mid: (p, o)
@@ -65,11 +72,11 @@ def test_sigterm_finishes_the_batch_in_hand_and_leaves_nothing_in_flight(
     assert {r.outbox_id: (r.partition, r.offset) for r in records} == stored
 
     # A second publisher delivers the rest and exits by itself.
-    finisher = start_publisher(database_url, kafka_bootstrap, "--exit-when-idle", "--sink", sink)
+    finisher = start_publisher(database_url, kafka_bootstrap, "--exit-when-idle", *mode)
     _, stderr = finisher.communicate(timeout=120)
     assert finisher.returncode == 0, stderr
     assert count_by_state(database_url) == {"delivered": total}
-    ids = [r.outbox_id for r in read_topic(kafka_bootstrap, topic)]
+    ids = [r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=committed)]
     assert len(ids) == total
     assert len(set(ids)) == total
 

@@ -20,10 +20,13 @@ import pytest
 import outbox
 from publisher.store import LANES
 from tests.support import (
-    assert_each_delivered_once,
+    DELIVERY_MODES,
+    assert_each_read_once,
     count_by_state,
+    delivery_flags,
     fast_publisher_flags,
     read_topic,
+    reads_committed,
     start_publisher,
     stop_process,
     wait_until,
@@ -67,11 +70,15 @@ def _delivered(database_url: str) -> int:
     return count_by_state(database_url).get("delivered", 0)
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_order(
-    database_url: str, kafka_bootstrap: str, topic: str
+    database_url: str, kafka_bootstrap: str, topic: str, delivery: str
 ) -> None:
-    """SIGKILL one of three publishers and start a fourth mid-run: all delivered once, in order."""
-    publishers = [start_publisher(database_url, kafka_bootstrap, *FAST) for _ in range(3)]
+    """SIGKILL one of three publishers and start a fourth mid-run: all delivered once, in order
+    (in transactional delivery, as a read_committed consumer reads)."""
+    flags = (*FAST, *delivery_flags(delivery))
+    committed = reads_committed(delivery)
+    publishers = [start_publisher(database_url, kafka_bootstrap, *flags) for _ in range(3)]
     # The lanes shared first: the first publisher up takes them all, and one
     # publisher alone can deliver the whole stream before its next heartbeat
     # gives the others their share.
@@ -94,7 +101,7 @@ def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_or
         victim = publishers.pop(1)
         victim.kill()  # SIGKILL: no settle, no release; its leases must expire
         victim.communicate(timeout=30)
-        publishers.append(start_publisher(database_url, kafka_bootstrap, *FAST))
+        publishers.append(start_publisher(database_url, kafka_bootstrap, *flags))
         writer.join(timeout=120)
         assert not writer.is_alive()
         wait_until(
@@ -107,10 +114,11 @@ def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_or
         logs = [stop_process(p, signal.SIGTERM, timeout=60) for p in publishers]
     assert all(p.returncode == 0 for p in publishers), logs
 
-    assert_each_delivered_once(database_url, kafka_bootstrap, topic, [*ids, *more])
+    assert_each_read_once(database_url, kafka_bootstrap, topic, [*ids, *more], committed=committed)
     # Each key's records are in the order they were committed.
     per_key: dict[bytes | None, list[int]] = defaultdict(list)
-    for r in sorted(read_topic(kafka_bootstrap, topic), key=lambda r: (r.partition, r.offset)):
+    records = read_topic(kafka_bootstrap, topic, committed=committed)
+    for r in sorted(records, key=lambda r: (r.partition, r.offset)):
         per_key[r.key].append(int(r.value.split(b":")[1]))
     assert len(per_key) == KEYS
     assert all(values == sorted(values) for values in per_key.values())
