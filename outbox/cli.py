@@ -57,6 +57,9 @@ from outbox.status import read_held_keys, read_status
 EXIT_OK = 0
 EXIT_ACTION_NEEDED = 1
 EXIT_ERROR = 2
+#: The reader of the output went away (``outbox list | head``): what a command killed
+#: by SIGPIPE exits with in a shell, 128 + 13. Not 1: nothing needs anyone.
+EXIT_READER_GONE = 141
 
 
 #: What ``outbox reconcile`` prints: the command moved to the publisher's side.
@@ -188,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     list_cmd.add_argument(
         "--state",
-        type=State,
+        type=_state,
         required=True,
         choices=list(State),
         metavar="STATE",
@@ -312,6 +315,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _state(text: str) -> State:
+    try:
+        return State(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a state; one of: {', '.join(State)}"
+        ) from None
+
+
 def _fence_argument(command: argparse.ArgumentParser, when: str) -> None:
     command.add_argument(
         "--fence",
@@ -323,7 +335,12 @@ def _fence_argument(command: argparse.ArgumentParser, when: str) -> None:
 
 
 def _fence(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a fence is a whole number (as `outbox inspect ID` shows it), got {text!r}"
+        ) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a fence is never negative, got {value}")
     return value
@@ -517,6 +534,18 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``outbox`` command; return its exit code."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # What was left to print goes nowhere: Python would otherwise print a
+        # traceback at exit, flushing into the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_READER_GONE
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command == "reconcile":

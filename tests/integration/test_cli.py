@@ -104,3 +104,26 @@ def test_unreachable_database_is_an_error_not_a_traceback() -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("outbox: ")
     assert "Traceback" not in result.stderr
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_without_a_traceback(
+    database_url: str,
+) -> None:
+    """`outbox list ... | head -1`: the reader goes away mid-output. The command exits 141
+    (as one killed by SIGPIPE does in a shell), not 1, which says an operator is needed,
+    and prints no traceback."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue_many(conn, [outbox.Message("t", "v" * 200) for _ in range(2_000)])
+    command = [sys.executable, "-m", "outbox.cli", "--database-url", database_url]
+    with subprocess.Popen(
+        [*command, "list", "--state", "pending", "--limit", "2000", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as process:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        assert process.stdout.readline()
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=60) == 141, stderr
+    assert stderr == ""
