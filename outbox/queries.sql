@@ -757,6 +757,8 @@ FOR UPDATE OF m
 -- nothing can write its record any more (as decision_check says), unless
 -- forced. The decision
 -- raises the fence: a second decision made from the same reading is refused.
+-- decided_by is the operator's name (user@host of the command) and the
+-- database user it logged in as: the login is what was authenticated.
 -- The result says which state it was in and whether it moved.
 WITH target AS (
     SELECT s.id, s.state, s.fence,
@@ -795,7 +797,8 @@ WITH target AS (
     -- The evidence says forced_before_deadline only when the override let the
     -- decision through: asked for after the deadline, it overrode nothing.
     INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason, evidence)
-    SELECT id, %(decided_by)s, from_state, to_state, reason,
+    SELECT id, format('%%s (database user %%s)', %(decided_by)s::text, session_user),
+           from_state, to_state, reason,
            CASE WHEN forced THEN %(evidence)s::jsonb || '{"forced_before_deadline": true}'
                 ELSE %(evidence)s::jsonb END
     FROM moved
@@ -819,7 +822,8 @@ WITH moved AS (
     RETURNING m.id
 ), logged AS (
     INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason)
-    SELECT id, %(decided_by)s, 'quarantined', 'pending', %(reason)s::text
+    SELECT id, format('%%s (database user %%s)', %(decided_by)s::text, session_user),
+           'quarantined', 'pending', %(reason)s::text
     FROM moved
 )
 SELECT id FROM moved

@@ -1029,8 +1029,9 @@ def test_a_message_an_operator_is_deciding_is_left_for_a_later_pass(
     finally:
         scanner.close()
         store.close()
+    [(login,)] = fetch_rows(database_url, "SELECT session_user")
     assert [(d[0], d[1], d[3]) for d in _decisions(database_url)] == [
-        (held, "an operator", "pending"),
+        (held, f"an operator (database user {login})", "pending"),
         (other, "test", "pending"),
     ]
 

@@ -147,7 +147,10 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
     assert (state, partition, offset, delivered, last_error) == ("delivered", 2, 17, True, None)
     [(decided_id, decided_by, from_state, to_state, reason, evidence)] = _decisions(database_url)
     assert decided_id == message_id
+    # Who ran the command, and the database user it logged in as (what was authenticated).
+    [(login,)] = fetch_rows(database_url, "SELECT session_user")
     assert decided_by.startswith("operator ")
+    assert decided_by.endswith(f" (database user {login})")
     assert (from_state, to_state) == ("uncertain", "delivered")
     assert reason == "seen in kafka-console-consumer"
     assert evidence == {"partition": 2, "offset": 17}
