@@ -577,7 +577,7 @@ ORDER BY seq
 -- passed too, so that a record's absence proves it was never written. A
 -- message sent in a transaction needs no grace: the reconciler fences its
 -- transactional.id and reads only committed records. A page at a time, in
--- key order from after seq %(after)s: the reconciler goes on after a full
+-- seq order from after seq %(after)s: the reconciler goes on after a full
 -- page at its next pass, so a page whose messages all wait cannot keep those
 -- after it waiting for ever.
 SELECT m.id, m.topic, m.key, m.fence, m.kafka_partition, b.partition_counts,
@@ -591,6 +591,25 @@ WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now
   AND m.seq > %(after)s
 ORDER BY m.seq
 LIMIT %(limit)s
+
+-- name: uncertain_left
+-- What outbox-publisher reconcile leaves uncertain, by what it waits for:
+-- escalated (an operator decides); the write deadline and the absence grace
+-- (%(grace)s seconds; not for a message sent in a transaction), with when the
+-- last of them passes; anything else (last_error says why: a session Kafka
+-- would not let be fenced, a range not readable now).
+SELECT count(*) FILTER (WHERE m.escalated_at IS NOT NULL),
+       count(*) FILTER (WHERE w.until > now()),
+       max(w.until) FILTER (WHERE w.until > now()),
+       count(*) FILTER (WHERE m.escalated_at IS NULL AND w.until <= now())
+FROM outbox.messages AS m
+LEFT JOIN outbox.batches AS b ON b.id = m.batch_id
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN m.escalated_at IS NOT NULL THEN NULL
+                WHEN b.transactional_id IS NOT NULL THEN m.available_at
+                ELSE m.available_at + make_interval(secs => %(grace)s::float8) END AS until
+) AS w
+WHERE m.state = 'uncertain'
 
 -- name: note_waiting
 -- Say on uncertain messages why their reconciliation waits (Kafka refused to

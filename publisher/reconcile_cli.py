@@ -21,6 +21,7 @@ import os
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
+from datetime import UTC
 
 import psycopg
 import psycopg.errors
@@ -29,9 +30,9 @@ from kafka.errors import KafkaError
 from outbox.errors import OutboxError, said
 from outbox.migrations import require_current_schema
 from outbox.operator import operator_name
+from outbox.queries import query
 from outbox.redaction import SecretSafeArgumentParser
 from outbox.states import State
-from outbox.status import read_status
 from publisher.config import CONFIG_ENV, SETTINGS, ConfigError, PublisherConfig, resolve
 from publisher.connector import connect
 from publisher.fencing import KafkaFencer
@@ -135,21 +136,28 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
             for note, count in report.waiting.items():
                 print(f"  {count} of them: {note}")
         with connect(database_url) as conn:
-            left = next(
-                line.messages
-                for line in read_status(conn)
-                if line.topic is None and line.state == State.UNCERTAIN
-            )
+            row = conn.execute(query("uncertain_left"), {"grace": config.absence_grace}).fetchone()
     finally:
         scanner.close()
         store.close()
-    if left:
+    escalated, waiting, until, other = row or (0, 0, None, 0)
+    if escalated:
         print(
-            f"{left} message(s) still uncertain: see last_error; decide with outbox resolve "
-            "or wait for their producer's write deadline"
+            f"{escalated} escalated: the evidence cannot decide them; decide each with "
+            "`outbox resolve` (`outbox list --state uncertain` shows why)"
         )
-        return EXIT_ACTION_NEEDED
-    return EXIT_OK
+    if waiting:
+        print(
+            f"{waiting} wait for their write deadline and the absence grace, until "
+            f"{until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC at the latest: run this again "
+            "then, or leave them to a running publisher"
+        )
+    if other:
+        print(
+            f"{other} undecided for now: their last_error says why "
+            "(`outbox list --state uncertain`)"
+        )
+    return EXIT_ACTION_NEEDED if escalated or waiting or other else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

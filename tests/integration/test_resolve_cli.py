@@ -321,6 +321,30 @@ def test_reconcile_command_decides_found_and_absent_messages(
     assert all(d[1].endswith("(outbox-publisher reconcile)") for d in decisions)
 
 
+def test_reconcile_command_says_until_when_a_message_waits_for_the_absence_grace(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Not found, but the grace after its write deadline has not passed: deferred, and the
+    command says until when (the time to run it again), not to decide it by hand."""
+    _enqueue(database_url, topic)
+    make_uncertain(database_url)
+    result = _reconcile(
+        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "3600", url=database_url
+    )
+    assert result.returncode == 1, result.stderr
+    assert "0 escalated, 1 deferred" in result.stdout
+    [(until,)] = fetch_rows(
+        database_url,
+        "SELECT to_char((available_at + interval '1 hour') AT TIME ZONE 'UTC', "
+        "'YYYY-MM-DD HH24:MI:SS') FROM outbox.messages",
+    )
+    assert (
+        f"1 wait for their write deadline and the absence grace, until {until} UTC at the "
+        "latest: run this again then"
+    ) in result.stdout
+    assert "escalated:" not in result.stdout
+
+
 def test_reconcile_command_exits_1_when_a_message_is_escalated(
     database_url: str, kafka_bootstrap: str
 ) -> None:
@@ -336,7 +360,11 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     )
     assert result.returncode == 1, result.stderr
     assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
-    assert "1 message(s) still uncertain" in result.stdout
+    assert (
+        "1 escalated: the evidence cannot decide them; decide each with `outbox resolve`"
+        in result.stdout
+    )
+    assert " wait for " not in result.stdout
     [(state, escalated)] = fetch_rows(
         database_url, "SELECT state, escalated_at IS NOT NULL FROM outbox.messages"
     )
@@ -364,7 +392,7 @@ def test_reconcile_command_says_why_a_session_it_cannot_fence_waits(
         f"  1 of them: reconciliation waits: the producer session {session} that sent it "
         "could not be fenced (TransactionalIdAuthorizationFailedError); grant "
     ) in result.stdout
-    assert "1 message(s) still uncertain: see last_error" in result.stdout
+    assert "1 undecided for now: their last_error says why" in result.stdout
     assert _state(database_url, waiting)[0] == "uncertain"
 
 
