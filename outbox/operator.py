@@ -332,10 +332,14 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
             f"{decision.action}{since}"
         )
     if changed:
+        made_from = (
+            f"was never at fence {fence}, the fence this decision names"
+            if fence is not None and fence > seen.fence
+            else f"changed since fence {fence}, the fence this decision was made from"
+        )
         return StaleDecision(
-            f"message {message_id} changed since fence {fence}, the fence this decision was "
-            f"made from: {_what_changed(seen)}; run `outbox inspect {message_id}` and decide "
-            "again from what it shows now"
+            f"message {message_id} {made_from}: {_what_changed(seen)}; run "
+            f"`outbox inspect {message_id}` and decide again from what it shows now"
         )
     if (
         decision.to_state in _WAITS_FOR_THE_WRITE_DEADLINE
@@ -355,7 +359,7 @@ _WAITS_FOR_THE_WRITE_DEADLINE = {
     State.DISCARDED: (
         "discarding it now releases its key while its record may still be written, after "
         "later messages of the key (and a discarded message would then be delivered)",
-        "`outbox resolve ID --discard --force-before-deadline`",
+        "`outbox resolve {id} --discard --force-before-deadline`",
     ),
 }
 
@@ -365,6 +369,7 @@ def _before_write_deadline(
 ) -> BeforeWriteDeadline | None:
     """Refuse moving an uncertain message on while its record may still be written."""
     risk, override = _WAITS_FOR_THE_WRITE_DEADLINE[to_state]
+    override = override.format(id=message_id)
     if seen.unfenced_session is not None:
         return BeforeWriteDeadline(
             f"message {message_id} was sent in the Kafka transaction of producer session "
@@ -388,7 +393,9 @@ def _what_changed(seen: _Seen) -> str:
     now = f"it is {seen.state} at fence {seen.fence}, after {seen.attempts} attempt(s)"
     if seen.decided_at is None:
         return now
-    return (
-        f"{now}; last decision {seen.from_state} -> {seen.to_state} by {seen.decided_by} at "
-        f"{seen.decided_at.isoformat()}"
+    decision = (
+        "escalated"  # the reconciler's: it could not decide
+        if seen.from_state == seen.to_state == State.UNCERTAIN
+        else f"{seen.from_state} -> {seen.to_state}"
     )
+    return f"{now}; last decision {decision} by {seen.decided_by} at {seen.decided_at.isoformat()}"

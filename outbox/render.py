@@ -295,7 +295,7 @@ def timeline_text(t: Timeline) -> str:
                 "since the last decision)",
             ),
             ("fence", m["fence"]),
-            ("location", f"partition {m['kafka_partition']} offset {m['kafka_offset']}"),
+            ("location", _location(m)),
             ("available at", _time(m["available_at"])),
             ("lease", f"{printable(m['lease_owner'])} until {_time(m['lease_expires_at'])}"),
             ("escalated at", _time(m["escalated_at"]) if m["escalated_at"] else None),
@@ -311,6 +311,15 @@ def timeline_text(t: Timeline) -> str:
     out += [f"  (note: {printable(note)})" for note in t.notes]
     out += ["", f"next: {printable(t.next_action)}"]
     return "\n".join(out)
+
+
+def _location(m: Mapping[str, Any]) -> str:
+    """Where the message's record is, as far as its row says (an uncertain message knows
+    its partition, not yet its offset; an operator may mark one delivered without them)."""
+    partition, offset = m["kafka_partition"], m["kafka_offset"]
+    if partition is None:
+        return "not recorded"
+    return f"partition {partition} offset {'not known' if offset is None else offset}"
 
 
 def _optional(value: object) -> str | None:
@@ -366,7 +375,7 @@ def _list_detail(m: Mapping[str, Any]) -> str:
     if state == "in_flight":
         return f"leased by {printable(m['lease_owner'])} until {_time(m['lease_expires_at'])}"
     if state == "delivered":
-        return f"partition {m['kafka_partition']} offset {m['kafka_offset']}"
+        return _location(m)
     if state == "pending" and m["failures"]:
         return f"retry at {_time(m['available_at'])}: {error}"
     if state == "uncertain" and m["escalated_at"] is not None:

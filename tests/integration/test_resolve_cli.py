@@ -373,6 +373,35 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     assert (decision[0], decision[3]) == (message_id, "uncertain")
 
 
+def test_a_refusal_names_a_fence_never_reached_and_an_escalation_as_such(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A fence above the message's own was never its fence (a typo, not a change since);
+    the reconciler's escalation shows as "escalated", not "uncertain -> uncertain"."""
+    gone = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, gone, partitions=1)
+    message_id = _enqueue(database_url, gone)
+    make_uncertain(database_url)
+    delete_topic(kafka_bootstrap, gone)
+    reconciled = _reconcile(
+        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
+    )
+    assert "1 escalated" in reconciled.stdout, reconciled.stderr
+    now = _fence(database_url, message_id)
+
+    refused = _outbox(
+        "resolve", str(message_id), "--pending", "--fence", "99", "--reason", "r",
+        url=database_url,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    [line] = refused.stderr.splitlines()
+    assert line.startswith(
+        f"outbox: message {message_id} was never at fence 99, the fence this decision names: "
+        f"it is uncertain at fence {now}"
+    )
+    assert "; last decision escalated by operator " in line
+
+
 def test_reconcile_command_says_why_a_session_it_cannot_fence_waits(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
@@ -613,6 +642,10 @@ def test_discarding_an_uncertain_message_before_the_write_deadline_is_refused_un
     _assert_refused(refused, database_url, before)
     assert "may still be written by the producer that sent it until" in refused.stderr
     assert "after later messages of the key" in refused.stderr
+    assert (
+        f"`outbox resolve {message_id} --discard --force-before-deadline` overrides this check"
+        in refused.stderr
+    )
 
     _assert_forced(database_url, message_id, fence, "discarded")
 

@@ -211,3 +211,27 @@ def test_json_output_escapes_by_being_json() -> None:
     assert json.loads(out)["messages"][0]["key"] == HOSTILE
     timeline = Timeline(uuid.UUID(int=9), _message(), [], [], None, None, [])
     assert _hostile_controls(timeline_json(timeline)) == []
+
+
+@pytest.mark.parametrize(
+    ("state", "partition", "offset", "shown"),
+    [
+        ("uncertain", 1, None, "partition 1 offset not known"),
+        ("delivered", 2, 17, "partition 2 offset 17"),
+        ("delivered", None, None, "not recorded"),  # resolved --delivered without them
+    ],
+)
+def test_a_location_is_said_as_far_as_the_row_knows_it(
+    state: str, partition: int | None, offset: int | None, shown: str
+) -> None:
+    """inspect and list never print a Python None for an offset not known."""
+    message = _message(state=state, kafka_partition=partition, kafka_offset=offset)
+    timeline = Timeline(uuid.UUID(int=9), message, [], [], None, None, [])
+    inspected = timeline_text(timeline)
+    listed = listing_text(Listing([message], more=False), now=datetime(2026, 1, 3, tzinfo=UTC))
+    assert "None" not in inspected
+    assert "None" not in listed
+    if partition is not None:
+        assert f"location:        {shown}" in inspected
+    if state == "delivered":
+        assert shown in listed
