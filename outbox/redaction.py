@@ -247,6 +247,13 @@ def check_conninfo(conninfo: str) -> None:
     problem = driver_url_problem(conninfo)
     if problem:
         raise DatabaseURLError(problem)
+    scheme, sep, _ = conninfo.strip().partition("://")
+    if sep and scheme not in ("postgresql", "postgres") and "=" not in scheme:
+        # libpq would read it as key=value settings: 'missing "=" after ...'.
+        raise DatabaseURLError(
+            f"the database URL starts with {scheme[:20]}://; libpq takes a postgresql:// "
+            "URL (or key=value settings)"
+        )
     with connect_errors_redacted(conninfo):
         parts = conninfo_to_dict(conninfo)
     problem = libpq_choice_problem(parts)

@@ -88,11 +88,13 @@ def parse_duration(text: str) -> timedelta:
 
 
 def _words(age: timedelta) -> str:
-    """``5 minutes``, ``90 seconds``: a window as people say it."""
+    """``7 days``, ``5 minutes``, ``90 seconds``: a window as people say it."""
     seconds = age.total_seconds()
-    if seconds % 60 == 0:
-        return f"{seconds / 60:g} minutes"
-    return f"{seconds:g} seconds"
+    for unit, size in (("day", 86_400), ("hour", 3_600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = seconds / size
+            return f"{count:g} {unit}{'' if count == 1 else 's'}"
+    return f"{seconds:g} second{'' if seconds == 1 else 's'}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,19 +131,20 @@ def purge(
         ("evidence_older_than", evidence_older_than),
     ):
         if age <= timedelta(0):
-            raise ValueError(f"{name} must be longer than zero, got {age}")
+            raise ValueError(f"{name} must be longer than zero, got {_words(age)}")
         if age > MAX_RETENTION:
-            raise ValueError(f"{name} must be at most {MAX_RETENTION.days} days, got {age}")
+            raise ValueError(f"{name} must be at most {MAX_RETENTION.days} days, got {_words(age)}")
     if delivered_older_than < MIN_DELIVERED_AGE:
         raise ValueError(
-            f"the delivered window ({delivered_older_than}) is shorter than the minimum, "
+            f"the delivered window ({_words(delivered_older_than)}) is shorter than the minimum, "
             f"{_words(MIN_DELIVERED_AGE)}: a delivered message must outlive the write deadline "
             "and absence grace of the uncertain messages before it"
         )
     if evidence_older_than < delivered_older_than:
         raise ValueError(
-            f"the evidence window ({evidence_older_than}) must be at least the delivered window "
-            f"({delivered_older_than}): evidence must not go before the messages it explains"
+            f"the evidence window ({_words(evidence_older_than)}) must be at least the delivered "
+            f"window ({_words(delivered_older_than)}): evidence must not go before the messages "
+            "it explains"
         )
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)

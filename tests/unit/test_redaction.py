@@ -308,3 +308,9 @@ def test_the_table_takes_what_libpq_takes(query: str) -> None:
         finally:
             pgconn.finish()
         assert (f"invalid {name} value" in said_by_libpq) is refused, said_by_libpq
+
+
+def test_a_url_of_another_database_is_named_as_one() -> None:
+    """libpq reads 'mysql://...' as key=value settings and says 'missing "="'."""
+    with pytest.raises(DatabaseURLError, match=r"starts with mysql://; libpq takes a postgres"):
+        check_conninfo(f"mysql://u:{SECRET}@h/db")

@@ -138,3 +138,15 @@ def test_the_publisher_accepts_a_window_of_exactly_the_minimum(
         purge_delivered_after=window,
         **overrides,
     ).validate()
+
+
+def test_windows_are_named_as_people_say_them() -> None:
+    """Refusals give windows as "7 days", "90 seconds", not Python's "7 days, 0:00:00"."""
+    conn = cast(Any, object())
+    with pytest.raises(ValueError, match=r"delivered window \(90 seconds\) is shorter"):
+        purge(conn, delivered_older_than=timedelta(seconds=90))
+    with pytest.raises(
+        ValueError,
+        match=r"evidence window \(1 day\) must be at least the delivered window \(7 days\)",
+    ):
+        purge(conn, delivered_older_than=timedelta(days=7), evidence_older_than=timedelta(days=1))
