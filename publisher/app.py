@@ -101,6 +101,23 @@ def build_publisher(
     return publisher
 
 
+def start_warnings(config: PublisherConfig) -> list[str]:
+    """What a publisher with ``config`` says at start about settings that leave work to
+    someone else (valid, but easy to set by mistake)."""
+    warnings = []
+    if config.reconcile_interval <= 0:
+        warnings.append(
+            "reconciliation is off (--reconcile-interval 0): uncertain messages wait for "
+            "another publisher or `outbox-publisher reconcile`"
+            + (
+                ", and the producer sessions of those sent in transactions stay unfenced"
+                if config.delivery == "transactional"
+                else ""
+            )
+        )
+    return warnings
+
+
 def build_sink(
     config: PublisherConfig, publisher_id: uuid.UUID, security: KafkaSecurity | None = None
 ) -> Sink:
@@ -161,6 +178,8 @@ class PublisherApp:
             config.kafka_bootstrap,
             security.describe(),
         )
+        for warning in start_warnings(config):
+            log.warning("%s", warning)
         if self.endpoints is not None:
             self.endpoints.start()
         try:

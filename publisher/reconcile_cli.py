@@ -146,7 +146,7 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
             f"{escalated} escalated: the evidence cannot decide them; decide each with "
             "`outbox resolve` (`outbox list --state uncertain` shows why)"
         )
-    if waiting:
+    if waiting and until is not None:
         print(
             f"{waiting} wait for their write deadline and the absence grace, until "
             f"{until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC at the latest: run this again "

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from publisher.app import build_app, build_publisher
+from publisher.app import build_app, build_publisher, start_warnings
 from publisher.config import PublisherConfig
 from publisher.retention import RetentionRunner
 
@@ -39,3 +39,14 @@ def test_an_address_in_use_fails_the_build() -> None:
         taken.listen()
         with pytest.raises(OSError, match="in use"):
             build_app(_config(http_host="127.0.0.1", http_port=taken.getsockname()[1]))
+
+
+def test_a_publisher_without_reconciliation_says_so_at_start() -> None:
+    """--reconcile-interval 0 is valid (another publisher reconciles) but easy to set by
+    mistake: the start says who decides uncertain messages then."""
+    assert start_warnings(_config()) == []
+    [idempotent] = start_warnings(_config(reconcile_interval=0))
+    assert idempotent.startswith("reconciliation is off (--reconcile-interval 0)")
+    assert "unfenced" not in idempotent
+    [transactional] = start_warnings(_config(reconcile_interval=0, delivery="transactional"))
+    assert transactional.endswith("stay unfenced")
