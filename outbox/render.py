@@ -191,7 +191,7 @@ def status_text(lines: list[StatusLine], held: list[HeldKey], *, topic: str | No
     live = lines[0].live_publishers if lines else 0
     healthy = all(line.healthy for line in summary + per_topic)
     out = [
-        f"outbox: {'healthy' if healthy else 'ACTION NEEDED'}; {live} publisher(s) running",
+        f"outbox: {'healthy' if healthy else 'ACTION NEEDED'}; {live} publisher(s) holding lanes",
         "",
         "ALL TOPICS" if topic is None else f"TOPIC {printable(topic)} (states with messages)",
     ]

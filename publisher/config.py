@@ -629,7 +629,9 @@ _DEFAULTS: dict[str, object] = {
 }
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("database_url", str, "PostgreSQL URL, postgresql://user:password@host:port/dbname",
+    Setting("database_url", str,
+            "PostgreSQL URL, postgresql://user@host:port/dbname (the password best from "
+            "PGPASSFILE or PGPASSWORD)",
             "connections", secret=True, unset="none", metavar="URL"),
     Setting("kafka_bootstrap", str, "Kafka bootstrap servers, host:port[,host:port...]",
             "connections", unset="none", metavar="SERVERS"),

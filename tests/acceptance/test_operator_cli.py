@@ -202,7 +202,7 @@ def test_status_shows_every_state_per_topic_and_overall_with_the_next_action(
 
     table = run_outbox_cli(scene.url, "status")
     assert table.returncode == 1
-    assert table.stdout.startswith("outbox: ACTION NEEDED; 0 publisher(s) running")
+    assert table.stdout.startswith("outbox: ACTION NEEDED; 0 publisher(s) holding lanes")
     assert f"IN FLIGHT: 1 message(s) leased by {scene.dead_publisher}" in table.stdout
     assert f"{scene.small} / big: held by {scene.quarantined} (quarantined), 1 waiting" in (
         table.stdout
