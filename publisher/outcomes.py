@@ -195,6 +195,11 @@ _REFUSAL_ACTIONS: dict[type[BaseException], str] = {
         "grant the publisher's Kafka principal IdempotentWrite on the cluster "
         "(docs/security.md); it counts toward --max-attempts once at most"
     ),
+    kafka_errors.MessageSizeTooLargeError: (
+        "the record is larger than the topic's max.message.bytes (or the broker's "
+        "message.max.bytes) allows: raise that limit and retry it, or discard it "
+        "(docs/operations.md)"
+    ),
 }
 
 
@@ -214,6 +219,7 @@ def error_text(error: BaseException) -> str:
         if rest == name or rest.startswith(f"{name}: "):
             said = rest
     said = "" if said == name else said.removeprefix(f"{name}: ")
+    said = "" if said == "None" else said  # kafka-python's error raised with None
     action = next((a for kind, a in _REFUSAL_ACTIONS.items() if isinstance(error, kind)), None)
     said = "; ".join(part for part in (said, action) if part)
     return f"{name}: {said}" if said else name

@@ -376,7 +376,15 @@ def test_unreachable_means_no_broker_at_all(error: BaseException | None, unreach
         (kafka_errors.NotLeaderForPartitionError(), "NotLeaderForPartitionError"),
         (
             kafka_errors.MessageSizeTooLargeError("over max.message.bytes"),
-            "MessageSizeTooLargeError: over max.message.bytes",
+            "MessageSizeTooLargeError: over max.message.bytes; the record is larger than the "
+            "topic's max.message.bytes (or the broker's message.max.bytes) allows: raise that "
+            "limit and retry it, or discard it (docs/operations.md)",
+        ),
+        (  # as kafka-python raises it for the broker's refusal: no "None" recorded
+            kafka_errors.MessageSizeTooLargeError(None),
+            "MessageSizeTooLargeError: the record is larger than the topic's max.message.bytes "
+            "(or the broker's message.max.bytes) allows: raise that limit and retry it, or "
+            "discard it (docs/operations.md)",
         ),
         (kafka_errors.KafkaTimeoutError(), "KafkaTimeoutError"),
         (TopicMissing("topic 'x' does not exist"), "TopicMissing: topic 'x' does not exist"),
