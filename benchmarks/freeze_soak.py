@@ -744,7 +744,7 @@ class Run:
             ).fetchone()
             recovered = conn.execute(
                 "SELECT CASE WHEN send_began THEN 'uncertain' ELSE 'pending' END, count(*) "
-                "FROM outbox.attempts WHERE outcome = 'abandoned' GROUP BY 1"
+                "FROM outbox.attempts WHERE outcome = 'recovered' GROUP BY 1"
             ).fetchall()
             retried = conn.execute(
                 "SELECT count(*), coalesce(max(attempts), 0) FROM outbox.messages "

@@ -2,7 +2,9 @@
 
 Every decision moves one message by a conditional update on its current
 state and writes a row to ``outbox.decisions`` saying who decided what, when
-and why, in the same transaction.
+and why, in the same transaction. Who decided is ``decided_by`` (the
+caller's words, by default ``operator_name()``) followed by "(database user
+<login>)", added by the database: the login it authenticated.
 
 A decision is checked before it takes any lock (``decision_check``): one that
 will be refused holds nothing, even in a transaction its caller keeps open.
@@ -18,7 +20,7 @@ READ, SERIALIZABLE) would not.
 
 A decision names the fence it was made from (``outbox inspect`` and
 ``outbox list`` show it) and applies only while the message is still at that
-fence: every claim, recovery, reconciler and operator decision raises it, so
+fence: every settle, recovery, reconciler and operator decision raises it, so
 a decision made from a stale reading (another operator acted, or a publisher
 or the reconciler moved the message) is refused, naming what changed. ``resolve --pending`` and
 ``--delivered`` require it; the other decisions take it when given.
@@ -94,7 +96,8 @@ class _Seen:
 
 
 def operator_name() -> str:
-    """Who is deciding, as recorded in ``outbox.decisions.decided_by``."""
+    """Who is deciding, as the command's user and host say it; ``outbox.decisions.decided_by``
+    records it followed by the database user the decision was taken as."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -324,8 +327,15 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
     if seen is None:
         return DecisionRefused(f"no message {message_id}")
     changed = fence is not None and seen.fence != fence
+    never = fence is not None and fence > seen.fence  # a fence it never had: a typo
     if seen.state not in decision.from_states:
-        since = f" (it changed since fence {fence}: {_what_changed(seen)})" if changed else ""
+        since = (
+            f" (it was never at fence {fence}: {_what_changed(seen)})"
+            if never
+            else f" (it changed since fence {fence}: {_what_changed(seen)})"
+            if changed
+            else ""
+        )
         return DecisionRefused(
             f"message {message_id} is {seen.state}; only "
             f"{' or '.join(s.value for s in decision.from_states)} messages can be "
@@ -334,7 +344,7 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
     if changed:
         made_from = (
             f"was never at fence {fence}, the fence this decision names"
-            if fence is not None and fence > seen.fence
+            if never
             else f"changed since fence {fence}, the fence this decision was made from"
         )
         return StaleDecision(
@@ -359,7 +369,7 @@ _WAITS_FOR_THE_WRITE_DEADLINE = {
     State.DISCARDED: (
         "discarding it now releases its key while its record may still be written, after "
         "later messages of the key (and a discarded message would then be delivered)",
-        "`outbox resolve {id} --discard --force-before-deadline`",
+        "`outbox resolve {id} --discard --force-before-deadline --reason TEXT`",
     ),
 }
 

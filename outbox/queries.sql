@@ -714,9 +714,9 @@ SELECT id FROM decided
 -- name: decision_check
 -- What an operator's decision is checked against, read without taking a lock
 -- (a refused decision holds none: see resolve_lock): the message's state as
--- outbox.message_status derives it, its fence (raised by every claim, every
+-- outbox.message_status derives it, its fence (raised by every settle, every
 -- recovery and every operator decision, so a decision names the fence it was
--- made from), its attempts and the last decision taken on it; and, for an
+-- made from; a claim writes only its batch), its attempts and the last decision taken on it; and, for an
 -- uncertain message, what may still write its record: until write_deadline
 -- the producer that sent it (idempotent delivery; the batch's deadline, or
 -- the row's available_at for a row without one), or its Kafka transaction
@@ -1169,7 +1169,9 @@ SELECT ceil((SELECT count(*) FROM outbox.lanes)::numeric
             / greatest(count(*), 1))::integer
 FROM outbox.publishers
 WHERE stopped_at IS NULL
-  AND heartbeat_at > now() - make_interval(
+  -- An age against a lease: a lease of any size stays in range (a timestamp
+  -- minus a huge interval would not).
+  AND now() - heartbeat_at < make_interval(
         secs => coalesce(lease_seconds, %(lease_seconds)s::float8))
 
 -- name: acquire_lanes

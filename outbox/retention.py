@@ -93,8 +93,8 @@ def _words(age: timedelta) -> str:
     for unit, size in (("day", 86_400), ("hour", 3_600), ("minute", 60)):
         if seconds >= size and seconds % size == 0:
             count = seconds / size
-            return f"{count:g} {unit}{'' if count == 1 else 's'}"
-    return f"{seconds:g} second{'' if seconds == 1 else 's'}"
+            return f"{count:.15g} {unit}{'' if count == 1 else 's'}"
+    return f"{seconds:.15g} second{'' if seconds == 1 else 's'}"
 
 
 @dataclass(frozen=True, slots=True)

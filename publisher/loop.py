@@ -490,6 +490,7 @@ class Publisher:
                     settled=[_unsent(m, reason) for m in batch.messages],
                 )
             began = self._transaction_open = True
+            self.health.kafka.succeeded()  # its session is open: the broker lets it write
         if sendable:
             held = self.store.mark_sending(
                 batch, counts, self.config.write_deadline_seconds, self.sink.transactional_id
@@ -736,12 +737,14 @@ class Publisher:
             if error is None:
                 try:
                     counts[topic] = self.sink.partition_count(topic)
-                    self.health.kafka.succeeded()
+                    # Answered (perhaps from a cache): the broker is up, which says
+                    # nothing of whether it lets this publisher write (kafka_refused).
+                    self.health.kafka.answered()
                 except Exception as exc:  # noqa: BLE001 - classified per message, none is lost
                     error = exc
                     if answered_for_topic(exc):
                         # The broker answered: no such topic, or not for this publisher.
-                        self.health.kafka.succeeded()
+                        self.health.kafka.answered()
                     else:
                         self.health.kafka.failed(exc)
                         shared = is_unreachable(exc) or refuses_publisher(exc)
@@ -853,15 +856,17 @@ class Publisher:
         reports: Sequence[SendReport],
         created: dict[uuid.UUID, datetime | None],
     ) -> None:
-        """Commit-to-acknowledgement latencies, and whether Kafka answered at all."""
+        """Commit-to-acknowledgement latencies, and whether Kafka answered at all: a record
+        it confirmed says it lets this publisher write (lifting ``kafka_refused``); one it
+        refused for its content or topic, only that it is up."""
         acked_at = time.time()
-        answered = False
+        confirmed = answered = False
         failure: BaseException | None = None
         for r, report in zip(records, reports, strict=True):
             if isinstance(report.error, NotHandedOver):
                 continue
             if report.error is None:
-                answered = True
+                confirmed = True
                 committed = created.get(r.message_id)
                 # In a transaction a record is delivered only once it commits
                 # (observed then, by _end_transaction): one aborted and sent
@@ -874,8 +879,10 @@ class Publisher:
                 answered = True
             else:
                 failure = failure or report.error
-        if answered:
+        if confirmed:
             self.health.kafka.succeeded()
+        elif answered:
+            self.health.kafka.answered()
         elif failure is not None:
             self.health.kafka.failed(failure)
 
@@ -889,7 +896,11 @@ class Publisher:
         transaction: TransactionEnd | None = None,
     ) -> Settlement:
         outcome = classify(report.error, handed_to_producer=report.handed_to_producer)
-        error = None if report.error is None else error_text(report.error)
+        error = (
+            None
+            if report.error is None
+            else error_text(report.error, handed_to_producer=report.handed_to_producer)
+        )
         failure_class = outcome.value
         if shared:
             # Refused together with other records of its partition: the

@@ -202,8 +202,15 @@ _REFUSAL_ACTIONS: dict[type[BaseException], str] = {
     ),
 }
 
+#: What to do about a record the producer itself refused as too large, before handing
+#: it over: no broker setting lets it through.
+_OVER_PRODUCER_LIMIT = (
+    "the record is larger than the publisher's producer accepts (its max_request_size, "
+    "1 MiB by default): it cannot be sent as it is; discard it"
+)
 
-def error_text(error: BaseException) -> str:
+
+def error_text(error: BaseException, *, handed_to_producer: bool = True) -> str:
     """How a send's error is recorded (``last_error``, ``outbox.attempts.error``): its
     class, then what it says ("MessageSizeTooLargeError: ..."); for a missing ACL, what
     to grant.
@@ -221,6 +228,8 @@ def error_text(error: BaseException) -> str:
     said = "" if said == name else said.removeprefix(f"{name}: ")
     said = "" if said == "None" else said  # kafka-python's error raised with None
     action = next((a for kind, a in _REFUSAL_ACTIONS.items() if isinstance(error, kind)), None)
+    if isinstance(error, kafka_errors.MessageSizeTooLargeError) and not handed_to_producer:
+        action = _OVER_PRODUCER_LIMIT
     said = "; ".join(part for part in (said, action) if part)
     return f"{name}: {said}" if said else name
 
@@ -274,7 +283,10 @@ def is_unreachable(error: BaseException | None) -> bool:
 
 def refuses_publisher(error: BaseException | None) -> bool:
     """Whether ``error`` is the broker refusing this publisher itself (its TransactionalIds,
-    the cluster, its login), whatever the record: every other lookup would meet it too."""
+    the cluster, its login), whatever the record: every other lookup would meet it too.
+    An error raised from such a refusal (a producer that could not be opened) is one."""
+    if error is not None and error.__cause__ is not None and refuses_publisher(error.__cause__):
+        return True
     if isinstance(error, LibrdkafkaError):
         return error.name == "_AUTHENTICATION"
     return isinstance(error, _PUBLISHER_REFUSALS)

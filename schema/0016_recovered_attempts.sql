@@ -12,15 +12,21 @@
 -- "recovered twice in a row" after one recovery.
 --
 -- Now recovery writes 'recovered', and only a previous 'recovered' attempt
--- makes a message suspect. Attempts written before keep 'abandoned' (a
--- recovery among them no longer counts toward the two: a message recovered
--- once before the upgrade and once after is not suspect yet).
+-- makes a message suspect. Attempts written before keep 'abandoned', and so
+-- do the recoveries of publishers of an earlier version still running after
+-- the migration, until they are replaced: none of those counts toward the
+-- two (a message recovered once by each kind is not suspect yet), and such a
+-- publisher still counts a message given back unsent as recovered.
 --
 -- Replacing the CHECK constraint locks outbox.attempts (ACCESS EXCLUSIVE)
--- for a moment; the new one is checked against the rows there (every one
--- satisfies it: it only adds a value), a read of the table with the lock
--- held.
+-- for a moment. The new one is added NOT VALID, so the rows there are not
+-- read while that lock is held (attempts are kept for the evidence window:
+-- reading millions of rows under it would stop every settle); each satisfies
+-- the old check, which the new one only widens, and every row written from
+-- now on is checked. 0017 then validates it under a lock that writes do not
+-- wait for.
 ALTER TABLE outbox.attempts DROP CONSTRAINT attempts_outcome_known;
 ALTER TABLE outbox.attempts ADD CONSTRAINT attempts_outcome_known CHECK (
     outcome IS NULL
-    OR outcome IN ('delivered', 'failed', 'uncertain', 'abandoned', 'recovered'));
+    OR outcome IN ('delivered', 'failed', 'uncertain', 'abandoned', 'recovered'))
+    NOT VALID;

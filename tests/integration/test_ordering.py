@@ -283,6 +283,11 @@ def test_retry_quarantined_by_topic_moves_only_that_topic(database_url: str) -> 
             "SELECT id, state FROM outbox.messages WHERE id = ANY(%s)", ([held_t, held_u],)
         ).fetchall())  # fmt: skip
     assert states == {held_t: "pending", held_u: "quarantined"}
+    [(decided_by, login)] = fetch_rows(
+        database_url, "SELECT decided_by, session_user FROM outbox.decisions"
+    )
+    assert decided_by.startswith("operator ")
+    assert decided_by.endswith(f" (database user {login})")
 
 
 # One mode: an operator's command on the database; nothing is sent.

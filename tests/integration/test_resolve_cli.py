@@ -38,7 +38,9 @@ def _outbox(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     return run_outbox_cli(url, *args)
 
 
-def _reconcile(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+def _reconcile(
+    *args: str, url: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``outbox-publisher reconcile --database-url URL ARGS...`` as a separate process."""
     return subprocess.run(
         [sys.executable, "-m", "publisher", "reconcile", "--database-url", url, *args],
@@ -46,6 +48,7 @@ def _reconcile(*args: str, url: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         check=False,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -325,12 +328,14 @@ def test_reconcile_command_says_until_when_a_message_waits_for_the_absence_grace
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
     """Not found, but the grace after its write deadline has not passed: deferred, and the
-    command says until when (the time to run it again), not to decide it by hand."""
+    command says until when (the time to run it again, in UTC whatever the session's time
+    zone), not to decide it by hand."""
     _enqueue(database_url, topic)
     make_uncertain(database_url)
     result = _reconcile(
-        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "3600", url=database_url
-    )
+        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "3600", url=database_url,
+        env={"PGTZ": "Asia/Tokyo"},
+    )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert "0 escalated, 1 deferred" in result.stdout
     [(until,)] = fetch_rows(
@@ -643,8 +648,8 @@ def test_discarding_an_uncertain_message_before_the_write_deadline_is_refused_un
     assert "may still be written by the producer that sent it until" in refused.stderr
     assert "after later messages of the key" in refused.stderr
     assert (
-        f"`outbox resolve {message_id} --discard --force-before-deadline` overrides this check"
-        in refused.stderr
+        f"`outbox resolve {message_id} --discard --force-before-deadline --reason TEXT` overrides "
+        "this check" in refused.stderr
     )
 
     _assert_forced(database_url, message_id, fence, "discarded")

@@ -25,7 +25,7 @@ from outbox.ids import new_message_id
 from outbox.states import State
 from publisher.config import PublisherConfig
 from publisher.loop import HAND_OVER_CLOSED, OUTAGE, Publisher
-from publisher.outcomes import AttemptOutcome, TransactionEnd
+from publisher.outcomes import AttemptOutcome, TransactionEnd, refuses_publisher
 from publisher.partitioning import partition_for
 from publisher.reconciler import Reconciler, ReconcileReport
 from publisher.sink import (
@@ -1472,3 +1472,39 @@ def test_a_producer_that_cannot_be_opened_again_mid_batch_sends_the_rest_back_un
     ]
     assert settled[1].error == "not sent: no producer could be opened: KafkaTimeoutError"
     assert publisher.health.kafka.error_type == "ProducerUnavailable"
+
+
+def test_a_refused_transactional_id_keeps_readyz_at_kafka_refused_until_a_session_opens() -> None:
+    """Every batch's topic lookup succeeds (from a cache, or a broker that answers anyone)
+    and its transaction cannot begin (no right to the TransactionalId): readiness stays
+    kafka_refused through the next batch's lookup; a session that opens lifts it."""
+    events: list[str] = []
+    store = FakeStore(events, [_batch(_message()), _batch(_message()), _batch(_message())])
+    sink = FakeSink(events)
+    publisher = _publisher(store, sink, TRANSACTIONAL)
+    refusals = [kafka_errors.TransactionalIdAuthorizationFailedError()] * 2
+    seen: list[str] = []
+    begin = sink.begin_transaction
+
+    def begin_or_refuse() -> None:
+        seen.append(publisher.health.readiness().checks["kafka"])
+        if refusals:
+            raise refusals.pop()
+        begin()
+
+    sink.begin_transaction = begin_or_refuse  # type: ignore[method-assign]
+    for _ in range(3):
+        publisher.run_once()
+    # The first batch met the refusal; the lookups of the next two did not lift it.
+    assert seen[1:] == ["kafka_refused", "kafka_refused"]
+    assert publisher.health.readiness().checks["kafka"] == "ok"  # the third's session opened
+    assert [s.state for s in store.settled[2]] == [State.DELIVERED]
+
+
+def test_a_producer_that_could_not_be_opened_for_a_refusal_is_a_refusal() -> None:
+    """A sink's error raised from the broker's refusal of the publisher (its cause) counts
+    as that refusal: the loop marks readiness kafka_refused through it too."""
+    wrapped = ProducerUnavailable("the producer could not be opened")
+    wrapped.__cause__ = kafka_errors.ClusterAuthorizationFailedError()
+    assert refuses_publisher(wrapped)
+    assert not refuses_publisher(ProducerUnavailable("no broker"))

@@ -412,3 +412,16 @@ def test_an_error_is_recorded_with_its_class_named_once(
 ) -> None:
     """kafka-python's errors name their class themselves; others get it in front."""
     assert error_text(error) == recorded
+
+
+def test_a_record_the_producer_refused_as_too_large_is_not_told_to_raise_the_topic_limit() -> None:
+    """Refused before it was handed over, a record is over the publisher's own producer
+    limit: no broker setting lets it through, so the action is to discard it."""
+    refused = kafka_errors.MessageSizeTooLargeError(
+        "The message is 2000000 bytes when serialized which is larger than the maximum "
+        "request size you have configured with the max_request_size configuration"
+    )
+    local = error_text(refused, handed_to_producer=False)
+    assert "the publisher's producer accepts (its max_request_size" in local
+    assert "max.message.bytes" not in local
+    assert "max.message.bytes" in error_text(refused)  # refused by the broker

@@ -145,6 +145,8 @@ def test_windows_are_named_as_people_say_them() -> None:
     conn = cast(Any, object())
     with pytest.raises(ValueError, match=r"delivered window \(90 seconds\) is shorter"):
         purge(conn, delivered_older_than=timedelta(seconds=90))
+    with pytest.raises(ValueError, match=r"must be at most 3640 days, got 4000000001 seconds"):
+        purge(conn, delivered_older_than=timedelta(seconds=4_000_000_001))
     with pytest.raises(
         ValueError,
         match=r"evidence window \(1 day\) must be at least the delivered window \(7 days\)",
