@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psycopg
 
 from outbox.connection import MIGRATE, Executor, executor_for, unscoped
-from outbox.errors import MigrationError
+from outbox.errors import MigrationError, said
 from outbox.redaction import connect_errors_redacted
 
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -179,6 +179,16 @@ def migrate(
                             "or with a longer --lock-timeout"
                         ) from exc
                     sleep(_BACKOFF_SECONDS * 2 ** (attempt - 1))
+                except psycopg.errors.InsufficientPrivilege:
+                    raise  # the command says which role may migrate
+                except psycopg.Error as exc:
+                    if conn.broken:
+                        raise
+                    raise MigrationError(
+                        f"migration {migration.version:04d}_{migration.name} failed: "
+                        f"{said(exc)}. Nothing of it was applied (the database is at version "
+                        f"{_version_now(conn)})"
+                    ) from exc
     return applied
 
 

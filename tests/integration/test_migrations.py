@@ -270,3 +270,21 @@ def test_an_operator_decision_refuses_a_schema_missing_a_migration(
     migrate(empty_database_url)
     decided = run_outbox_cli(empty_database_url, *args)
     assert decided.returncode == 0, decided.stderr
+
+
+def test_a_migration_that_fails_is_named_with_the_version_left(empty_database_url: str) -> None:
+    """A migration failing for another reason than a lock (here: its column exists already,
+    as after a hand-edited schema_migrations) names itself and the version the database
+    stays at; nothing of it is applied."""
+    migrate(empty_database_url)
+    with psycopg.connect(empty_database_url) as conn:
+        conn.execute("DELETE FROM outbox.schema_migrations WHERE version >= 15")
+    with pytest.raises(MigrationError) as failed:
+        migrate(empty_database_url)
+    said = str(failed.value)
+    assert said.startswith("migration 0015_publisher_leases failed: column ")
+    assert "already exists. Nothing of it was applied (the database is at version 14)" in said
+    assert [v for v, _ in _recorded(empty_database_url)][-1] == 14
+    result = run_outbox_cli(empty_database_url, "migrate")
+    assert result.returncode == 2
+    assert result.stderr.startswith("outbox: migration 0015_publisher_leases failed: ")
