@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.cli import main
+from tests.support import run_outbox_cli
 
 MESSAGE_ID = "01a23e2b-3c84-7466-aa4a-3a6151621c0c"
 
@@ -30,13 +30,11 @@ MESSAGE_ID = "01a23e2b-3c84-7466-aa4a-3a6151621c0c"
     ],
     ids=["fence-not-a-number", "fence-negative", "state-unknown"],
 )
-def test_a_bad_argument_is_named_with_what_it_takes(
-    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--database-url", "postgresql://h/db", *argv])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
+def test_a_bad_argument_is_named_with_what_it_takes(argv: list[str], said: str) -> None:
+    """Refused before any connection (the database need not exist)."""
+    refused = run_outbox_cli("postgresql://h/db", *argv)
+    assert refused.returncode == 2
+    err = refused.stderr
     assert said in err
     assert "_fence" not in err
     assert "State value" not in err
