@@ -123,10 +123,12 @@ class KafkaContact(Contact):
 
     The broker is up, and ``ok`` (``outbox_kafka_up``) says so, but the
     publisher cannot deliver until someone grants what is missing: readiness
-    says ``kafka_refused``. The probe's cluster description and the
-    reconciler's reads (``answered``) say that the broker is there, not that
-    it lets this publisher write: only a contact of the publisher's own that
-    succeeds (a lookup, a send) lifts the refusal.
+    says ``kafka_refused``. The probe's cluster description, topic lookups
+    and the reconciler's reads (``answered``) say that the broker is there,
+    not that it lets this publisher write: only a Kafka transaction that
+    begins or a record the broker confirms (``succeeded``) lifts the refusal.
+    The refused batch's messages wait out a backoff and are tried again, so
+    a grant is noticed at the next try.
     """
 
     def __init__(self, clock: Clock, wall: Clock) -> None:
