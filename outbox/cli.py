@@ -103,6 +103,15 @@ def _url_after_command() -> SecretSafeArgumentParser:
     return after
 
 
+def _add_command(
+    commands: argparse._SubParsersAction[SecretSafeArgumentParser], name: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    command = commands.add_parser(name, parents=[_url_after_command()], **kwargs)
+    # Usage errors found after parsing are the command's: its usage, not the top one.
+    command.set_defaults(command_parser=command)
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = SecretSafeArgumentParser(
         prog="outbox",
@@ -120,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL, e.g. postgresql://user@host:5432/db (default: $OUTBOX_DATABASE_URL)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_command = functools.partial(commands.add_parser, parents=[_url_after_command()])
+    add_command = functools.partial(_add_command, commands)
     migrate_cmd = add_command(
         "migrate",
         help="create or upgrade the outbox tables (safe to repeat and to run concurrently)",
@@ -552,7 +561,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(RECONCILE_MOVED, file=sys.stderr)
         return EXIT_ERROR
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not args.database_url:
         parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
     if args.command == "migrate" and not args.create_roles:

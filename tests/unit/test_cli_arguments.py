@@ -38,3 +38,19 @@ def test_a_bad_argument_is_named_with_what_it_takes(argv: list[str], said: str) 
     assert said in err
     assert "_fence" not in err
     assert "State value" not in err
+
+
+def test_an_argument_the_command_does_not_take_shows_that_commands_usage() -> None:
+    """`outbox discard --force-before-deadline` (a flag of resolve's): the discard usage,
+    not the top-level one; a value after it is not repeated (it may be a secret)."""
+    refused = run_outbox_cli(
+        "postgresql://h/db", "discard", MESSAGE_ID, "--reason", "r",
+        "--force-before-deadline", "--kafka-sasl-password", "s3cret",
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("usage: outbox discard ")
+    assert (
+        "outbox discard: error: unrecognized arguments: --force-before-deadline "
+        "--kafka-sasl-password ..."
+    ) in refused.stderr
+    assert "s3cret" not in refused.stderr
