@@ -18,11 +18,13 @@ from publisher.outcomes import AttemptOutcome
 from publisher.sink import InFlight, OutgoingRecord, SendWindow, Sink
 from publisher.store import Settlement
 from tests.support import (
+    DELIVERY_MODES,
     claiming_store,
     create_topic,
     fetch_rows,
     publisher_config,
     read_topic,
+    reads_committed,
     wait_until,
 )
 
@@ -90,13 +92,16 @@ def _row(database_url: str, message_id: uuid.UUID) -> tuple[Any, ...]:
     return row
 
 
+@pytest.mark.parametrize("delivery", DELIVERY_MODES)
 @pytest.mark.parametrize("at", ["describe", "send"])
 def test_a_message_that_kills_every_publisher_is_quarantined_and_its_neighbours_delivered(
-    database_url: str, kafka_bootstrap: str, topic: str, at: str
+    database_url: str, kafka_bootstrap: str, topic: str, at: str, delivery: str
 ) -> None:
     """A poison that kills each publisher claiming it ends quarantined after --max-attempts
-    claims alone; the messages claimed with it are delivered once, and its key's later
-    message waits behind it."""
+    claims alone; the messages claimed with it are delivered once (in transactional
+    delivery, as a read_committed consumer reads), and its key's later message waits
+    behind it."""
+    committed = reads_committed(delivery)
     poison_topic = f"outbox-poison-{uuid.uuid4().hex[:8]}"
     create_topic(kafka_bootstrap, poison_topic, partitions=1)
     with psycopg.connect(database_url) as conn:
@@ -104,7 +109,7 @@ def test_a_message_that_kills_every_publisher_is_quarantined_and_its_neighbours_
         poison = outbox.enqueue(conn, poison_topic, "poison", key="k")
         behind = outbox.enqueue(conn, poison_topic, "behind the poison", key="k")
         after = outbox.enqueue_many(conn, [outbox.Message(topic, f"a{i}") for i in range(3)])
-    config = _config(database_url, kafka_bootstrap, max_attempts=2)
+    config = _config(database_url, kafka_bootstrap, max_attempts=2, delivery=delivery)
 
     deaths = 0
     deadline = time.monotonic() + 120
@@ -133,10 +138,12 @@ def test_a_message_that_kills_every_publisher_is_quarantined_and_its_neighbours_
         "AND failures = 0 AND NOT send_alone",
         neighbours,
     ) == [(len(neighbours),)]
-    assert sorted(r.outbox_id for r in read_topic(kafka_bootstrap, topic)) == sorted(neighbours)
+    assert sorted(
+        r.outbox_id for r in read_topic(kafka_bootstrap, topic, committed=committed)
+    ) == sorted(neighbours)
     # Its key's later message is held behind it, never sent ahead of it.
     assert _row(database_url, behind)[0] == "pending"
-    records = read_topic(kafka_bootstrap, poison_topic)
+    records = read_topic(kafka_bootstrap, poison_topic, committed=committed)
     assert behind not in {r.outbox_id for r in records}
 
 
