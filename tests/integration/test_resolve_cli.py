@@ -350,19 +350,27 @@ def test_reconcile_command_says_until_when_a_message_waits_for_the_absence_grace
     assert "escalated:" not in result.stdout
 
 
-def test_reconcile_command_exits_1_when_a_message_is_escalated(
+def _escalated_by_reconcile(
     database_url: str, kafka_bootstrap: str
-) -> None:
-    """outbox-publisher reconcile exits 1 when evidence is gone and a message stays uncertain."""
+) -> tuple[uuid.UUID, subprocess.CompletedProcess[str]]:
+    """An uncertain message whose topic was deleted, and the reconcile run that escalated it
+    (its evidence is gone)."""
     gone = f"outbox-test-{uuid.uuid4().hex[:12]}"
     create_topic(kafka_bootstrap, gone, partitions=3)
     message_id = _enqueue(database_url, gone)
     make_uncertain(database_url)
     delete_topic(kafka_bootstrap, gone)
-
     result = _reconcile(
         "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
     )
+    return message_id, result
+
+
+def test_reconcile_command_exits_1_when_a_message_is_escalated(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """outbox-publisher reconcile exits 1 when evidence is gone and a message stays uncertain."""
+    message_id, result = _escalated_by_reconcile(database_url, kafka_bootstrap)
     assert result.returncode == 1, result.stderr
     assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
     assert (
@@ -383,14 +391,7 @@ def test_a_refusal_names_a_fence_never_reached_and_an_escalation_as_such(
 ) -> None:
     """A fence above the message's own was never its fence (a typo, not a change since);
     the reconciler's escalation shows as "escalated", not "uncertain -> uncertain"."""
-    gone = f"outbox-test-{uuid.uuid4().hex[:12]}"
-    create_topic(kafka_bootstrap, gone, partitions=1)
-    message_id = _enqueue(database_url, gone)
-    make_uncertain(database_url)
-    delete_topic(kafka_bootstrap, gone)
-    reconciled = _reconcile(
-        "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0", url=database_url
-    )
+    message_id, reconciled = _escalated_by_reconcile(database_url, kafka_bootstrap)
     assert "1 escalated" in reconciled.stdout, reconciled.stderr
     now = _fence(database_url, message_id)
 
