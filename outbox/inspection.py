@@ -55,6 +55,14 @@ _WAITING_ACTION = (
     "do what its last error says: reconciliation decides it once Kafka lets the producer "
     "session that sent it be fenced (outbox-publisher reconcile tries now)"
 )
+#: What to do next about a message that waits for a publisher while none runs.
+_NO_PUBLISHER_ACTION = {
+    State.PENDING: "no publisher is running to claim it: start outbox-publisher",
+    State.IN_FLIGHT: "no publisher is running to recover it once its lease expires: start "
+    "outbox-publisher, or run outbox-publisher reconcile",
+    State.UNCERTAIN: "no publisher is running to reconcile it: start outbox-publisher, "
+    "or run outbox-publisher reconcile",
+}
 #: States in which a message needs an operator (inspect exits 1).
 NEEDS_ACTION = frozenset({State.UNCERTAIN, State.QUARANTINED})
 
@@ -83,6 +91,8 @@ class Timeline:
     events: list[Event]
     #: What the timeline may lack, in words (a search that was stopped).
     notes: tuple[str, ...] = ()
+    #: Whether a publisher holds a lane's lease now (as ``outbox.status`` counts them).
+    publisher_running: bool = True
 
     @property
     def state(self) -> str:
@@ -111,6 +121,8 @@ class Timeline:
                 f"none here: its key waits behind message {self.held_behind['held_by']} "
                 f"({self.held_behind['state']}); act on that one"
             )
+        if not self.publisher_running and state in _NO_PUBLISHER_ACTION:
+            return _NO_PUBLISHER_ACTION[state]
         return _NEXT_ACTION[state].format(fence=fence)
 
 
@@ -139,11 +151,14 @@ def read_timeline(
         cur.execute(query("message_decisions"), params)
         decisions = cur.fetchall()
         claim = held = None
+        running = True
         if message is not None:
             cur.execute(query("message_claim"), params)
             claim = cur.fetchone()
             cur.execute(query("message_holder"), params)
             held = cur.fetchone()
+            cur.execute(query("publisher_running"))
+            running = bool((cur.fetchone() or {}).get("running"))
         elif not _delivery_recorded(attempts, decisions):
             start = _search_start(cur, message_id, attempts)
             if start is not None:
@@ -166,7 +181,7 @@ def read_timeline(
     if message is None and not attempts and not decisions:
         return None
     events = _events(message, attempts, decisions, claim)
-    return Timeline(message_id, message, attempts, decisions, claim, held, events, notes)
+    return Timeline(message_id, message, attempts, decisions, claim, held, events, notes, running)
 
 
 def _delivery_recorded(attempts: list[dict[str, Any]], decisions: list[dict[str, Any]]) -> bool:

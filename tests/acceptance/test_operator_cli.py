@@ -321,11 +321,33 @@ def test_inspect_tells_each_message_story_and_the_next_safe_action(
     uncertain = _json(scene, "inspect", str(scene.uncertain), code=1)
     assert uncertain["current_claim"]["send_began_at"] is not None
     assert uncertain["attempts"][0]["outcome"] == "uncertain"
-    assert "reconciler" in uncertain["next_action"]
+    # No publisher runs in the scene: nothing waited for comes by itself.
+    assert uncertain["next_action"] == (
+        "no publisher is running to reconcile it: start outbox-publisher, "
+        "or run outbox-publisher reconcile"
+    )
 
     in_flight = _json(scene, "inspect", str(scene.in_flight), code=0)
     assert in_flight["current_claim"]["publisher_id"] == str(scene.dead_publisher)
     assert any("(in flight)" in e["event"] for e in in_flight["timeline"])
+    assert in_flight["next_action"].startswith("no publisher is running to recover it")
+    pending = _json(scene, "inspect", str(scene.pending), code=0)
+    assert pending["next_action"] == ("no publisher is running to claim it: start outbox-publisher")
+    store = claiming_store(scene.url)  # a live publisher: it holds every lane
+    try:
+        running = {
+            name: _json(scene, "inspect", str(message_id), code=code)["next_action"]
+            for name, message_id, code in (
+                ("uncertain", scene.uncertain, 1),
+                ("in_flight", scene.in_flight, 0),
+                ("pending", scene.pending, 0),
+            )
+        }
+    finally:
+        store.close()
+    assert running["uncertain"].startswith("wait: the reconciler decides it")
+    assert running["in_flight"].startswith("none while its lease is live")
+    assert running["pending"] == "none: a publisher will claim it"
 
     delivered = _json(scene, "inspect", str(scene.delivered[0]), code=0)
     records = read_topic(kafka_bootstrap, scene.topic)

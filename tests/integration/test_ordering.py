@@ -11,6 +11,7 @@ import json
 import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
 
 import psycopg
 import pytest
@@ -31,6 +32,7 @@ from tests.support import (
     reads_committed,
     run_outbox_cli,
     submit_until_waiting,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -268,6 +270,81 @@ def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None
     store.close()
     assert second is not None
     assert [m.id for m in second.messages] == [ids[2]]  # b1 only: a2 waits behind a1
+
+
+# One mode: the views alone are read; nothing is sent.
+def test_held_keys_give_times_in_utc_and_say_when_no_publisher_runs(database_url: str) -> None:
+    """A key held by a retry or an expired lease: the reason gives the time to the second in
+    UTC whatever the session's time zone, and the next action says to start a publisher
+    while none runs (waiting would wait for ever)."""
+    topic = f"held-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url) as conn:
+        ids = outbox.enqueue_many(
+            conn, [outbox.Message(topic, b"r", key="r"), outbox.Message(topic, b"f", key="f")]
+        )
+    store = claiming_store(database_url)
+    retrying = store.claim(1, lease_seconds=30)
+    assert retrying is not None
+    assert [m.id for m in retrying.messages] == ids[:1]
+    failed = Settlement(
+        ids[0],
+        retrying.messages[0].fence,
+        State.PENDING,
+        AttemptOutcome.FAILED,
+        retry_after=3600,
+        error="KafkaConnectionError: broker away",
+        counts_as_failure=True,
+    )
+    assert store.settle(retrying, [failed]) == {ids[0]}
+    in_flight = store.claim(1, lease_seconds=0.2)  # claimed, never settled
+    assert in_flight is not None
+    assert [m.id for m in in_flight.messages] == ids[1:]
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue_many(
+            conn, [outbox.Message(topic, b"r2", key="r"), outbox.Message(topic, b"f2", key="f")]
+        )
+    held = (
+        "SELECT key, reason, next_action, "
+        "       (SELECT available_at FROM outbox.messages WHERE id = %s), "
+        "       (SELECT lease_expires_at FROM outbox.batches WHERE id = %s) "
+        "FROM outbox.held_keys WHERE topic = %s ORDER BY key"
+    )
+
+    def read() -> list[tuple[bytes, str, str, str]]:
+        with psycopg.connect(database_url) as conn:
+            conn.execute("SET TIME ZONE 'Asia/Tokyo'")
+            rows = conn.execute(held, (ids[0], in_flight.id, topic)).fetchall()
+        utc = "%Y-%m-%d %H:%M:%S UTC"
+        return [
+            (key, reason, action, (retry if key == b"r" else lease).astimezone(UTC).strftime(utc))
+            for key, reason, action, retry, lease in rows
+        ]
+
+    def both_held() -> list[tuple[bytes, str, str, str]] | None:
+        rows = read()
+        return rows if len(rows) == 2 else None  # "f" once its lease has expired
+
+    try:
+        rows = wait_until(both_held, timeout=10, what="the in-flight lease to expire")
+    finally:
+        store.close()
+    assert rows is not None
+    [(_, f_reason, f_action, f_at), (_, r_reason, r_action, r_at)] = rows
+    assert f_reason == f"in flight, lease expired at {f_at}"
+    assert f_action == "wait for recovery, or run outbox-publisher reconcile"
+    assert r_reason == f"retry 2 at {r_at}: KafkaConnectionError: broker away"
+    assert r_action == "wait for the retry, or outbox discard ID --fence N --reason TEXT"
+
+    # The store gave its lanes back: no publisher runs now.
+    [(_, _, f_action, _), (_, _, r_action, _)] = read()
+    assert f_action == (
+        "no publisher is running to recover it: start outbox-publisher, "
+        "or run outbox-publisher reconcile"
+    )
+    assert r_action == (
+        "no publisher is running to retry it: start outbox-publisher; "
+        "or outbox discard ID --fence N --reason TEXT"
+    )
 
 
 # One mode: an operator's command on the database; nothing is sent.
