@@ -186,8 +186,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Show one message and its timeline: when it was enqueued, each attempt "
         "(publisher, fence, batch, when sending began, outcome, error, where it landed), the "
         "claim it is in now, the key it waits behind, and every reconciler or operator "
-        "decision with its evidence. Exit code 1 when the message needs an operator "
-        "(uncertain or quarantined).",
+        "decision with its evidence. Exit code 1 when the message needs a person, as "
+        "`outbox status` would call its state's line unhealthy (quarantined; uncertain and "
+        "escalated or overdue; in flight under an expired lease; or waiting for a publisher "
+        "while none runs).",
     )
     inspect_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     inspect_cmd.add_argument("--json", action="store_true", help=_JSON_HELP)

@@ -63,8 +63,9 @@ _NO_PUBLISHER_ACTION = {
     State.UNCERTAIN: "no publisher is running to reconcile it: start outbox-publisher, "
     "or run outbox-publisher reconcile",
 }
-#: States in which a message needs an operator (inspect exits 1).
-NEEDS_ACTION = frozenset({State.UNCERTAIN, State.QUARANTINED})
+#: How long an uncertain message may stay undecided past its write deadline
+#: before it needs a person: the status view's ``overdue`` (schema/0014).
+OVERDUE_AFTER = timedelta(minutes=5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,8 @@ class Timeline:
     notes: tuple[str, ...] = ()
     #: Whether a publisher holds a lane's lease now (as ``outbox.status`` counts them).
     publisher_running: bool = True
+    #: The database's time when the timeline was read; leases and deadlines are its.
+    read_at: datetime | None = None
 
     @property
     def state(self) -> str:
@@ -101,8 +104,26 @@ class Timeline:
 
     @property
     def needs_action(self) -> bool:
-        """Whether an operator should decide something about this message."""
-        return self.message is not None and self.message["state"] in NEEDS_ACTION
+        """Whether a person should act on this message, as the status view judges its
+        state's line: quarantined; uncertain and escalated, overdue, or with no publisher
+        running to reconcile it; in flight under an expired lease; pending with no
+        publisher running. Waiting for a retry, a claim or the reconciler is not."""
+        if self.message is None:
+            return False
+        state = State(self.message["state"])
+        now = self.read_at
+        if state is State.QUARANTINED:
+            return True
+        if state is State.UNCERTAIN:
+            overdue = now is not None and self.message["available_at"] < now - OVERDUE_AFTER
+            escalated = self.message["escalated_at"] is not None
+            return escalated or overdue or not self.publisher_running
+        if state is State.IN_FLIGHT:
+            expiry = self.message["lease_expires_at"]
+            return now is not None and expiry is not None and expiry < now
+        if state is State.PENDING:
+            return not self.publisher_running
+        return False
 
     @property
     def next_action(self) -> str:
@@ -120,6 +141,7 @@ class Timeline:
             return (
                 f"none here: its key waits behind message {self.held_behind['held_by']} "
                 f"({self.held_behind['state']}); act on that one"
+                + ("" if self.publisher_running else "; and no publisher is running: start one")
             )
         if not self.publisher_running and state in _NO_PUBLISHER_ACTION:
             return _NO_PUBLISHER_ACTION[state]
@@ -151,14 +173,15 @@ def read_timeline(
         cur.execute(query("message_decisions"), params)
         decisions = cur.fetchall()
         claim = held = None
-        running = True
+        running, read_at = True, None
         if message is not None:
             cur.execute(query("message_claim"), params)
             claim = cur.fetchone()
             cur.execute(query("message_holder"), params)
             held = cur.fetchone()
-            cur.execute(query("publisher_running"))
-            running = bool((cur.fetchone() or {}).get("running"))
+            cur.execute(query("read_context"))
+            context = cur.fetchone() or {}
+            running, read_at = bool(context.get("running")), context.get("now")
         elif not _delivery_recorded(attempts, decisions):
             start = _search_start(cur, message_id, attempts)
             if start is not None:
@@ -181,7 +204,9 @@ def read_timeline(
     if message is None and not attempts and not decisions:
         return None
     events = _events(message, attempts, decisions, claim)
-    return Timeline(message_id, message, attempts, decisions, claim, held, events, notes, running)
+    return Timeline(
+        message_id, message, attempts, decisions, claim, held, events, notes, running, read_at
+    )
 
 
 def _delivery_recorded(attempts: list[dict[str, Any]], decisions: list[dict[str, Any]]) -> bool:

@@ -1340,10 +1340,12 @@ FROM outbox.message_status AS m
 JOIN outbox.held_keys AS h ON h.topic = m.topic AND h.key = m.key
 WHERE m.id = %(id)s AND m.state = 'pending' AND h.held_by <> m.id
 
--- name: publisher_running
--- Whether a publisher runs: one holds a lane's lease now (as outbox.status
--- and outbox.held_keys judge it).
-SELECT EXISTS (SELECT 1 FROM outbox.lanes WHERE lease_expires_at > now()) AS running
+-- name: read_context
+-- For outbox inspect: whether a publisher runs (one holds a lane's lease now,
+-- as outbox.status and outbox.held_keys judge it), and the database's time,
+-- by which a lease or deadline has passed.
+SELECT EXISTS (SELECT 1 FROM outbox.lanes WHERE lease_expires_at > now()) AS running,
+       now() AS now
 
 -- name: list_messages
 -- Messages in one state, oldest first; one more than asked shows there are more.

@@ -314,40 +314,53 @@ def test_inspect_tells_each_message_story_and_the_next_safe_action(
     assert "attempt 1 claimed" in events
     assert events[-1] == "attempt 1 failed"
 
-    held = _json(scene, "inspect", str(scene.held), code=0)
+    # No publisher runs in the scene: a pending message needs one started (exit 1).
+    held = _json(scene, "inspect", str(scene.held), code=1)
     assert held["held_behind"]["held_by"] == str(scene.quarantined)
     assert f"waits behind message {scene.quarantined}" in held["next_action"]
+    assert held["next_action"].endswith("; and no publisher is running: start one")
 
     uncertain = _json(scene, "inspect", str(scene.uncertain), code=1)
     assert uncertain["current_claim"]["send_began_at"] is not None
     assert uncertain["attempts"][0]["outcome"] == "uncertain"
-    # No publisher runs in the scene: nothing waited for comes by itself.
     assert uncertain["next_action"] == (
         "no publisher is running to reconcile it: start outbox-publisher, "
         "or run outbox-publisher reconcile"
     )
 
-    in_flight = _json(scene, "inspect", str(scene.in_flight), code=0)
+    in_flight = _json(scene, "inspect", str(scene.in_flight), code=1)  # its lease expired
     assert in_flight["current_claim"]["publisher_id"] == str(scene.dead_publisher)
     assert any("(in flight)" in e["event"] for e in in_flight["timeline"])
     assert in_flight["next_action"].startswith("no publisher is running to recover it")
-    pending = _json(scene, "inspect", str(scene.pending), code=0)
+    pending = _json(scene, "inspect", str(scene.pending), code=1)
     assert pending["next_action"] == ("no publisher is running to claim it: start outbox-publisher")
+    # With a publisher running, waiting for it needs nobody (exit 0), as in outbox status;
+    # an expired lease still does, until it is recovered.
     store = claiming_store(scene.url)  # a live publisher: it holds every lane
     try:
         running = {
             name: _json(scene, "inspect", str(message_id), code=code)["next_action"]
             for name, message_id, code in (
-                ("uncertain", scene.uncertain, 1),
-                ("in_flight", scene.in_flight, 0),
+                ("uncertain", scene.uncertain, 0),
+                ("in_flight", scene.in_flight, 1),
                 ("pending", scene.pending, 0),
+                ("held", scene.held, 0),
             )
         }
+        with psycopg.connect(scene.url) as conn:
+            conn.execute(
+                "UPDATE outbox.messages SET available_at = now() - interval '6 minutes' "
+                "WHERE id = %s",
+                (scene.uncertain,),
+            )
+        overdue = _json(scene, "inspect", str(scene.uncertain), code=1)  # as status: overdue
     finally:
         store.close()
     assert running["uncertain"].startswith("wait: the reconciler decides it")
     assert running["in_flight"].startswith("none while its lease is live")
     assert running["pending"] == "none: a publisher will claim it"
+    assert running["held"].endswith("act on that one")
+    assert overdue["needs_action"] is True
 
     delivered = _json(scene, "inspect", str(scene.delivered[0]), code=0)
     records = read_topic(kafka_bootstrap, scene.topic)
