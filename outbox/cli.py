@@ -283,7 +283,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     resolve_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
     _fence_argument(resolve_cmd, "required with --delivered and --pending")
-    resolve_cmd.add_argument("--partition", type=int, help="with --delivered: where it is")
+    resolve_cmd.add_argument(
+        "--partition",
+        type=int,
+        help="with --delivered: where it is (the partition inspect shows, when it shows one)",
+    )
     resolve_cmd.add_argument("--offset", type=int, help="with --delivered: its offset")
     resolve_cmd.add_argument(
         "--force-before-deadline",

@@ -85,6 +85,8 @@ class _Seen:
     fence: int
     attempts: int
     checked_at: datetime
+    #: The partition an uncertain message's record was sent to, when known.
+    sent_to_partition: int | None
     #: Until when the producer that sent an uncertain message may still write it.
     write_deadline: datetime | None
     #: The Kafka transaction session of an uncertain message, not fenced yet.
@@ -123,7 +125,8 @@ def resolve(
     inspect`` showed it); it is required for ``DELIVERED`` and ``PENDING``,
     which act on what the operator saw, and checked when given for
     ``DISCARD``. Raises ``DecisionRefused`` naming the message's actual state
-    when it is not one of ``RESOLVABLE``; ``StaleDecision`` naming what
+    when it is not one of ``RESOLVABLE``, or when ``partition`` is not the one an
+    uncertain message's record was sent to; ``StaleDecision`` naming what
     changed when it is no longer at ``fence``; ``BeforeWriteDeadline`` for
     ``PENDING`` or ``DISCARD`` while the record of an uncertain message may
     still be written (unless ``force_before_deadline``, which risks sending it
@@ -245,6 +248,8 @@ class _Decision:
     action: str
     fence: int | None
     force_before_deadline: bool
+    #: Where the operator found the record (``resolve --delivered --partition``).
+    partition: int | None = None
 
 
 def _decide(
@@ -263,7 +268,9 @@ def _decide(
 ) -> State:
     if not reason.strip():
         raise ValueError("a decision needs a reason (--reason)")
-    decision = _Decision(message_id, to_state, from_states, action, fence, force_before_deadline)
+    decision = _Decision(
+        message_id, to_state, from_states, action, fence, force_before_deadline, partition
+    )
     evidence: Mapping[str, Any] = {
         k: v for k, v in (("partition", partition), ("offset", offset)) if v is not None
     }
@@ -350,6 +357,17 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
         return StaleDecision(
             f"message {message_id} {made_from}: {_what_changed(seen)}; run "
             f"`outbox inspect {message_id}` and decide again from what it shows now"
+        )
+    if (
+        decision.partition is not None
+        and seen.sent_to_partition is not None
+        and decision.partition != seen.sent_to_partition
+    ):
+        return DecisionRefused(
+            f"message {message_id} was sent to partition {seen.sent_to_partition}: the send "
+            f"it is uncertain from wrote its record there or nowhere, not in partition "
+            f"{decision.partition}. Look for its outbox-id header in partition "
+            f"{seen.sent_to_partition}"
         )
     if (
         decision.to_state in _WAITS_FOR_THE_WRITE_DEADLINE

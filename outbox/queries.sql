@@ -723,8 +723,11 @@ SELECT id FROM decided
 -- session until the reconciler has fenced it (transactional delivery: the
 -- reconciler fences a session before it decides or escalates any of its
 -- messages, so an escalated message's session is fenced). The clock is the
--- wall clock, as the publisher's deadline is.
+-- wall clock, as the publisher's deadline is. sent_to_partition: the
+-- partition an uncertain message's record was sent to, when known; its record
+-- is there or nowhere.
 SELECT s.state, s.fence, s.attempts, clock_timestamp() AS checked_at,
+       CASE WHEN s.state = 'uncertain' THEN s.kafka_partition END AS sent_to_partition,
        CASE WHEN s.state = 'uncertain' AND b.transactional_id IS NULL
             THEN coalesce(b.write_deadline, s.available_at) END AS write_deadline,
        CASE WHEN s.state = 'uncertain' AND s.escalated_at IS NULL

@@ -124,7 +124,8 @@ def _uncertain(database_url: str) -> uuid.UUID:
 
 def test_resolve_delivered_records_the_location_and_the_decision(database_url: str) -> None:
     """resolve --delivered marks an uncertain message delivered where the operator found it."""
-    message_id = _uncertain(database_url)
+    message_id = _enqueue(database_url)
+    sent_to = make_uncertain(database_url)[message_id]  # the partition its record went to
 
     result = _outbox(
         "resolve",
@@ -133,7 +134,7 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
         "--fence",
         _fence(database_url, message_id),
         "--partition",
-        "2",
+        str(sent_to),
         "--offset",
         "17",
         "--reason",
@@ -147,7 +148,13 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
         "SELECT state, kafka_partition, kafka_offset, delivered_at IS NOT NULL, last_error "
         "FROM outbox.messages",
     )
-    assert (state, partition, offset, delivered, last_error) == ("delivered", 2, 17, True, None)
+    assert (state, partition, offset, delivered, last_error) == (
+        "delivered",
+        sent_to,
+        17,
+        True,
+        None,
+    )
     [(decided_id, decided_by, from_state, to_state, reason, evidence)] = _decisions(database_url)
     assert decided_id == message_id
     # Who ran the command, and the database user it logged in as (what was authenticated).
@@ -156,7 +163,28 @@ def test_resolve_delivered_records_the_location_and_the_decision(database_url: s
     assert decided_by.endswith(f" (database user {login})")
     assert (from_state, to_state) == ("uncertain", "delivered")
     assert reason == "seen in kafka-console-consumer"
-    assert evidence == {"partition": 2, "offset": 17}
+    assert evidence == {"partition": sent_to, "offset": 17}
+
+
+def test_resolve_delivered_refuses_a_partition_the_record_was_not_sent_to(
+    database_url: str,
+) -> None:
+    """An uncertain message's send named its partition: a record found in another one is
+    not its record (a typo, or another topic's), and is refused before anything moves."""
+    message_id = _enqueue(database_url)
+    sent_to = make_uncertain(database_url, partitions=3)[message_id]
+    elsewhere = (sent_to + 1) % 3
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    result = _outbox(
+        "resolve", str(message_id), "--delivered", "--fence", _fence(database_url, message_id),
+        "--partition", str(elsewhere), "--offset", "17", "--reason", "seen", url=database_url,
+    )  # fmt: skip
+    _assert_refused(result, database_url, before)
+    assert (
+        f"was sent to partition {sent_to}: the send it is uncertain from wrote its record "
+        f"there or nowhere, not in partition {elsewhere}"
+    ) in result.stderr
+    assert _decisions(database_url) == []
 
 
 @pytest.mark.parametrize("make", [_uncertain, _quarantined], ids=["uncertain", "quarantined"])
