@@ -40,7 +40,7 @@ from publisher.config import DELIVERY_MODES as _DELIVERY_MODES
 from publisher.config import PublisherConfig
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
-from publisher.store import PublisherStore, Settlement, claim_statement
+from publisher.store import ClaimedMessage, PublisherStore, Settlement, claim_statement
 from publisher.testing import config_for_tests
 from publisher.testing import publish_until_idle as publish_until_idle  # noqa: PLC0414 - re-exported
 
@@ -786,6 +786,23 @@ def claim_rows_read(store: PublisherStore, *, ahead: bool = False) -> int:
         [(plan,)] = store.conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql).fetchall()
         raise psycopg.Rollback
     return plan_rows_read(plan[0]["Plan"])
+
+
+def failed_for_retry(
+    message: ClaimedMessage, *, retry_after: float, error: str, send_began: bool = True
+) -> Settlement:
+    """What a publisher settles for a send Kafka did not take: pending again after
+    ``retry_after`` seconds, the failure counted toward ``--max-attempts``."""
+    return Settlement(
+        message.id,
+        message.fence,
+        State.PENDING,
+        AttemptOutcome.FAILED,
+        retry_after=retry_after,
+        error=error,
+        send_began=send_began,
+        counts_as_failure=True,
+    )
 
 
 def claiming_store(database_url: str) -> ClaimingStore:

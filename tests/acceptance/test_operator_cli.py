@@ -17,11 +17,9 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.states import State
-from publisher.outcomes import AttemptOutcome
-from publisher.store import Settlement
 from tests.support import (
     claiming_store,
+    failed_for_retry,
     fetch_rows,
     make_uncertain,
     publish_until_idle,
@@ -79,14 +77,8 @@ def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
     assert batch is not None
     assert [m.id for m in batch.messages] == [retrying]
     # The broker was away for the first: it waits out a long retry delay.
-    failed = Settlement(
-        retrying,
-        batch.messages[0].fence,
-        State.PENDING,
-        AttemptOutcome.FAILED,
-        retry_after=3600,
-        error="KafkaConnectionError: broker away",
-        counts_as_failure=True,
+    failed = failed_for_retry(
+        batch.messages[0], retry_after=3600, error="KafkaConnectionError: broker away"
     )
     assert store.settle(batch, [failed]) == {retrying}
     # The second is claimed, and never settled.

@@ -26,6 +26,7 @@ from tests.support import (
     DELIVERY_MODES,
     claiming_store,
     count_by_state,
+    failed_for_retry,
     fetch_rows,
     publish_until_idle,
     read_topic,
@@ -251,21 +252,10 @@ def test_retry_backoff_holds_its_key_and_nothing_else(database_url: str) -> None
     store = claiming_store(database_url)
     first = store.claim(1, lease_seconds=30)
     assert first is not None
-    store.settle(
-        first,
-        [
-            Settlement(
-                ids[0],
-                first.messages[0].fence,
-                State.PENDING,
-                AttemptOutcome.FAILED,
-                retry_after=60,
-                error="KafkaTimeoutError",
-                send_began=False,
-                counts_as_failure=True,  # as the publisher records a send that failed
-            )
-        ],
+    failed = failed_for_retry(
+        first.messages[0], retry_after=60, error="KafkaTimeoutError", send_began=False
     )
+    store.settle(first, [failed])
     second = store.claim(10, lease_seconds=30)
     store.close()
     assert second is not None
@@ -286,14 +276,8 @@ def test_held_keys_give_times_in_utc_and_say_when_no_publisher_runs(database_url
     retrying = store.claim(1, lease_seconds=30)
     assert retrying is not None
     assert [m.id for m in retrying.messages] == ids[:1]
-    failed = Settlement(
-        ids[0],
-        retrying.messages[0].fence,
-        State.PENDING,
-        AttemptOutcome.FAILED,
-        retry_after=3600,
-        error="KafkaConnectionError: broker away",
-        counts_as_failure=True,
+    failed = failed_for_retry(
+        retrying.messages[0], retry_after=3600, error="KafkaConnectionError: broker away"
     )
     assert store.settle(retrying, [failed]) == {ids[0]}
     in_flight = store.claim(1, lease_seconds=0.2)  # claimed, never settled
