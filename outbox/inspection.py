@@ -63,6 +63,20 @@ _NO_PUBLISHER_ACTION = {
     State.UNCERTAIN: "no publisher is running to reconcile it: start outbox-publisher, "
     "or run outbox-publisher reconcile",
 }
+#: In flight under an expired lease (the status view's in_flight line says the same).
+_LEASE_EXPIRED_ACTION = (
+    "its lease expired: its publisher died or stalled; a running publisher recovers it from "
+    "its evidence, or run outbox-publisher reconcile"
+)
+_LEASE_EXPIRED_NO_PUBLISHER_ACTION = (
+    "its lease expired and no publisher is running to recover it: start outbox-publisher, "
+    "or run outbox-publisher reconcile"
+)
+#: Uncertain and overdue (the status view's uncertain line says the same).
+_OVERDUE_ACTION = (
+    "undecided 5 minutes past its write deadline: check that publishers reconcile "
+    "(--reconcile-interval above 0) and reach Kafka, or run outbox-publisher reconcile"
+)
 #: How long an uncertain message may stay undecided past its write deadline
 #: before it needs a person: the status view's ``overdue`` (schema/0014).
 OVERDUE_AFTER = timedelta(minutes=5)
@@ -111,19 +125,34 @@ class Timeline:
         if self.message is None:
             return False
         state = State(self.message["state"])
-        now = self.read_at
         if state is State.QUARANTINED:
             return True
         if state is State.UNCERTAIN:
-            overdue = now is not None and self.message["available_at"] < now - OVERDUE_AFTER
             escalated = self.message["escalated_at"] is not None
-            return escalated or overdue or not self.publisher_running
+            return escalated or self._overdue or not self.publisher_running
         if state is State.IN_FLIGHT:
-            expiry = self.message["lease_expires_at"]
-            return now is not None and expiry is not None and expiry < now
+            return self._lease_expired
         if state is State.PENDING:
             return not self.publisher_running
         return False
+
+    @property
+    def _overdue(self) -> bool:
+        """Uncertain, and undecided ``OVERDUE_AFTER`` past its write deadline."""
+        now, message = self.read_at, self.message
+        return (
+            now is not None
+            and message is not None
+            and message["escalated_at"] is None
+            and message["available_at"] < now - OVERDUE_AFTER
+        )
+
+    @property
+    def _lease_expired(self) -> bool:
+        """In flight under a lease that has expired."""
+        now, message = self.read_at, self.message
+        expiry = None if message is None else message["lease_expires_at"]
+        return now is not None and expiry is not None and expiry < now
 
     @property
     def next_action(self) -> str:
@@ -131,21 +160,34 @@ class Timeline:
         if self.message is None:
             return "none: delivered and purged by retention; only its evidence is kept"
         state = State(self.message["state"])
-        # A decision names the fence it was made from: the one shown here.
-        fence = self.message["fence"]
-        if state is State.UNCERTAIN and self.message["escalated_at"] is not None:
-            return _ESCALATED_ACTION.format(fence=fence)
-        if state is State.UNCERTAIN and (self.message["last_error"] or "").startswith(WAITING_NOTE):
-            return _WAITING_ACTION
+        running = self.publisher_running
+        if state is State.UNCERTAIN:
+            return self._uncertain_action(self.message)
+        if state is State.IN_FLIGHT and self._lease_expired:
+            return _LEASE_EXPIRED_ACTION if running else _LEASE_EXPIRED_NO_PUBLISHER_ACTION
         if state is State.PENDING and self.held_behind is not None:
             return (
                 f"none here: its key waits behind message {self.held_behind['held_by']} "
                 f"({self.held_behind['state']}); act on that one"
-                + ("" if self.publisher_running else "; and no publisher is running: start one")
+                + ("" if running else "; and no publisher is running: start one")
             )
-        if not self.publisher_running and state in _NO_PUBLISHER_ACTION:
+        if not running and state in _NO_PUBLISHER_ACTION:
             return _NO_PUBLISHER_ACTION[state]
-        return _NEXT_ACTION[state].format(fence=fence)
+        # A decision names the fence it was made from: the one shown here.
+        return _NEXT_ACTION[state].format(fence=self.message["fence"])
+
+    def _uncertain_action(self, message: dict[str, Any]) -> str:
+        """In the order of the status view's uncertain line: what only a person can do
+        first (escalated), then no publisher, the reconciler's note, overdue, wait."""
+        if message["escalated_at"] is not None:
+            return _ESCALATED_ACTION.format(fence=message["fence"])
+        if not self.publisher_running:
+            return _NO_PUBLISHER_ACTION[State.UNCERTAIN]
+        if (message["last_error"] or "").startswith(WAITING_NOTE):
+            return _WAITING_ACTION
+        if self._overdue:
+            return _OVERDUE_ACTION
+        return _NEXT_ACTION[State.UNCERTAIN]
 
 
 class DeliverySearchStopped(OutboxError):

@@ -126,7 +126,8 @@ def resolve(
     which act on what the operator saw, and checked when given for
     ``DISCARD``. Raises ``DecisionRefused`` naming the message's actual state
     when it is not one of ``RESOLVABLE``, or when ``partition`` is not the one an
-    uncertain message's record was sent to; ``StaleDecision`` naming what
+    uncertain message's record was sent to (when its row records one: not after a
+    recovery from an expired lease); ``StaleDecision`` naming what
     changed when it is no longer at ``fence``; ``BeforeWriteDeadline`` for
     ``PENDING`` or ``DISCARD`` while the record of an uncertain message may
     still be written (unless ``force_before_deadline``, which risks sending it
@@ -367,7 +368,9 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
             f"message {message_id} was sent to partition {seen.sent_to_partition}: the send "
             f"it is uncertain from wrote its record there or nowhere, not in partition "
             f"{decision.partition}. Look for its outbox-id header in partition "
-            f"{seen.sent_to_partition}"
+            f"{seen.sent_to_partition}; a copy you wrote elsewhere yourself (the topic was "
+            "recreated) is recorded by --delivered without --partition and --offset, with "
+            "where it is in --reason"
         )
     if (
         decision.to_state in _WAITS_FOR_THE_WRITE_DEADLINE

@@ -798,8 +798,12 @@ WITH target AS (
     UPDATE outbox.messages AS m
     SET state = d.to_state,
         fence = m.fence + 1,
+        -- Given, or the partition an uncertain message's send went to (a
+        -- quarantined message's record never reached the one it was aimed at).
         kafka_partition = CASE WHEN d.to_state = 'delivered'
-                               THEN coalesce(d.kafka_partition, m.kafka_partition) END,
+                               THEN coalesce(d.kafka_partition,
+                                             CASE WHEN t.state = 'uncertain'
+                                                  THEN m.kafka_partition END) END,
         kafka_offset = CASE WHEN d.to_state = 'delivered' THEN d.kafka_offset END,
         delivered_at = CASE WHEN d.to_state = 'delivered' THEN now() END,
         available_at = CASE WHEN d.to_state = 'pending' THEN now() ELSE m.available_at END,

@@ -12,10 +12,15 @@
 -- recovery or a reconciliation said "wait for ...": nothing comes while no
 -- publisher runs. Its next action now says so, as the status view's lines
 -- do, judged the same way: no lane leased now (outbox.lanes, one row a
--- lane). A quarantined or escalated message needs an operator either way,
--- and one whose reconciliation waits on Kafka is moved on by
--- outbox-publisher reconcile as its next action already says: those are
--- unchanged.
+-- lane), and in the same order: for an uncertain message, escalated first
+-- (a person decides it either way), then no publisher, then the
+-- reconciler's note that it waits on Kafka, then overdue. A quarantined
+-- message needs an operator either way: unchanged.
+--
+-- Overdue. A key held by an uncertain message still undecided 5 minutes
+-- past its write deadline said "wait for reconciliation"; its next action
+-- is now the status view's for overdue messages (check that publishers
+-- reconcile and reach Kafka).
 --
 -- The view keeps its columns, so CREATE OR REPLACE keeps its grants and the
 -- status view that counts it. It reads the same rows of outbox.messages as
@@ -65,10 +70,12 @@ SELECT topic,
        CASE
            WHEN state = 'quarantined' THEN 'fix the cause, then outbox retry ID --fence N; or outbox discard ID --fence N --reason TEXT (outbox inspect ID shows N)'
            WHEN state = 'uncertain' AND escalated_at IS NOT NULL THEN 'decide with outbox resolve ID --fence N (outbox inspect ID shows N)'
-           WHEN state = 'uncertain' AND starts_with(last_error, 'reconciliation waits: ')
-               THEN 'do what the reason says: reconciliation decides it once Kafka lets its producer session be fenced (outbox-publisher reconcile tries now)'
            WHEN state = 'uncertain' AND NOT live.running
                THEN 'no publisher is running to reconcile it: start outbox-publisher, or run outbox-publisher reconcile'
+           WHEN state = 'uncertain' AND starts_with(last_error, 'reconciliation waits: ')
+               THEN 'do what the reason says: reconciliation decides it once Kafka lets its producer session be fenced (outbox-publisher reconcile tries now)'
+           WHEN state = 'uncertain' AND available_at < now() - interval '5 minutes'
+               THEN 'undecided 5 minutes past its write deadline: check that publishers reconcile (--reconcile-interval above 0) and reach Kafka, or run outbox-publisher reconcile'
            WHEN state = 'uncertain' THEN 'wait for reconciliation, or run outbox-publisher reconcile'
            WHEN state = 'pending' AND NOT live.running
                THEN 'no publisher is running to retry it: start outbox-publisher; or outbox discard ID --fence N --reason TEXT'

@@ -288,6 +288,21 @@ def test_list_shows_the_messages_of_a_state_oldest_first(scene: Scene) -> None:
     assert "invalid State value: 'stuck'" in wrong.stderr or "stuck" in wrong.stderr
 
 
+def _assert_inspect_agrees_with_status(scene: Scene) -> None:
+    """inspect needs action for a message exactly when status calls its state's line
+    unhealthy (the scene has one open message a state, or only pending ones)."""
+    healthy = {
+        line["state"]: line["healthy"]
+        for line in _json(scene, "status", code=1)["states"]  # quarantined: always 1
+    }
+    for message_id in (scene.quarantined, scene.held, scene.uncertain, scene.retrying,
+                       scene.in_flight, scene.pending, scene.delivered[0]):  # fmt: skip
+        result = run_outbox_cli(scene.url, "inspect", str(message_id), "--json")
+        story = json.loads(result.stdout)
+        assert story["needs_action"] is (not healthy[story["state"]]), story["next_action"]
+        assert result.returncode == (1 if story["needs_action"] else 0)
+
+
 def test_inspect_tells_each_message_story_and_the_next_safe_action(
     scene: Scene, kafka_bootstrap: str
 ) -> None:
@@ -323,11 +338,16 @@ def test_inspect_tells_each_message_story_and_the_next_safe_action(
     in_flight = _json(scene, "inspect", str(scene.in_flight), code=1)  # its lease expired
     assert in_flight["current_claim"]["publisher_id"] == str(scene.dead_publisher)
     assert any("(in flight)" in e["event"] for e in in_flight["timeline"])
-    assert in_flight["next_action"].startswith("no publisher is running to recover it")
+    assert in_flight["next_action"] == (
+        "its lease expired and no publisher is running to recover it: start "
+        "outbox-publisher, or run outbox-publisher reconcile"
+    )
     pending = _json(scene, "inspect", str(scene.pending), code=1)
     assert pending["next_action"] == ("no publisher is running to claim it: start outbox-publisher")
+    _assert_inspect_agrees_with_status(scene)
+
     # With a publisher running, waiting for it needs nobody (exit 0), as in outbox status;
-    # an expired lease still does, until it is recovered.
+    # an expired lease still does, until it is recovered, and so does an overdue message.
     store = claiming_store(scene.url)  # a live publisher: it holds every lane
     try:
         running = {
@@ -339,20 +359,29 @@ def test_inspect_tells_each_message_story_and_the_next_safe_action(
                 ("held", scene.held, 0),
             )
         }
-        with psycopg.connect(scene.url) as conn:
-            conn.execute(
-                "UPDATE outbox.messages SET available_at = now() - interval '6 minutes' "
-                "WHERE id = %s",
-                (scene.uncertain,),
-            )
-        overdue = _json(scene, "inspect", str(scene.uncertain), code=1)  # as status: overdue
+        _assert_inspect_agrees_with_status(scene)
+        for minutes, code in ((4, 0), (6, 1)):  # the view's overdue: 5 minutes past
+            with psycopg.connect(scene.url) as conn:
+                conn.execute(
+                    "UPDATE outbox.messages SET available_at = now() - make_interval(mins => %s) "
+                    "WHERE id = %s",
+                    (minutes, scene.uncertain),
+                )
+            late = _json(scene, "inspect", str(scene.uncertain), code=code)
+            _assert_inspect_agrees_with_status(scene)
     finally:
         store.close()
     assert running["uncertain"].startswith("wait: the reconciler decides it")
-    assert running["in_flight"].startswith("none while its lease is live")
+    assert running["in_flight"] == (
+        "its lease expired: its publisher died or stalled; a running publisher recovers it "
+        "from its evidence, or run outbox-publisher reconcile"
+    )
     assert running["pending"] == "none: a publisher will claim it"
     assert running["held"].endswith("act on that one")
-    assert overdue["needs_action"] is True
+    assert late["next_action"] == (
+        "undecided 5 minutes past its write deadline: check that publishers reconcile "
+        "(--reconcile-interval above 0) and reach Kafka, or run outbox-publisher reconcile"
+    )
 
     delivered = _json(scene, "inspect", str(scene.delivered[0]), code=0)
     records = read_topic(kafka_bootstrap, scene.topic)

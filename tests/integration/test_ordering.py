@@ -28,6 +28,7 @@ from tests.support import (
     count_by_state,
     failed_for_retry,
     fetch_rows,
+    make_uncertain,
     publish_until_idle,
     read_topic,
     reads_committed,
@@ -329,6 +330,44 @@ def test_held_keys_give_times_in_utc_and_say_when_no_publisher_runs(database_url
         "no publisher is running to retry it: start outbox-publisher; "
         "or outbox discard ID --fence N --reason TEXT"
     )
+
+
+# One mode: the views alone are read; nothing is sent.
+def test_held_keys_name_an_uncertain_holders_next_action_in_the_status_views_order(
+    database_url: str,
+) -> None:
+    """Escalated first, then no publisher, then the reconciler's note, then overdue, then
+    wait: the order of the status view's uncertain line, so the two never disagree."""
+    topic = f"held-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url) as conn:
+        [holder] = outbox.enqueue_many(conn, [outbox.Message(topic, b"u1", key="u")])
+    make_uncertain(database_url, longest_send_seconds=3600)
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, topic, b"u2", key="u")
+
+    def action(change: str = "") -> str:
+        with psycopg.connect(database_url) as conn:
+            if change:
+                conn.execute(f"UPDATE outbox.messages SET {change} WHERE id = %s", (holder,))
+            [(next_action,)] = conn.execute(
+                "SELECT next_action FROM outbox.held_keys WHERE topic = %s", (topic,)
+            ).fetchall()
+            return str(next_action)
+
+    store = claiming_store(database_url)  # a publisher holding lanes: one is running
+    try:
+        waiting = action()
+        overdue = action("available_at = now() - interval '6 minutes'")
+        noted = action("last_error = 'reconciliation waits: the producer session s could not'")
+    finally:
+        store.close()
+    stopped = action()
+    escalated = action("escalated_at = now()")
+    assert waiting == "wait for reconciliation, or run outbox-publisher reconcile"
+    assert overdue.startswith("undecided 5 minutes past its write deadline: check that publ")
+    assert noted.startswith("do what the reason says: ")
+    assert stopped.startswith("no publisher is running to reconcile it: ")
+    assert escalated.startswith("decide with outbox resolve ID --fence N")
 
 
 # One mode: an operator's command on the database; nothing is sent.

@@ -93,6 +93,7 @@ def _quarantined(database_url: str) -> uuid.UUID:
         m.fence,
         State.QUARANTINED,
         AttemptOutcome.FAILED,
+        partition=2,  # the partition it was aimed at, as the publisher records it
         error="MessageSizeTooLargeError",
         send_began=False,
     )
@@ -185,6 +186,30 @@ def test_resolve_delivered_refuses_a_partition_the_record_was_not_sent_to(
         f"there or nowhere, not in partition {elsewhere}"
     ) in result.stderr
     assert _decisions(database_url) == []
+
+
+@pytest.mark.parametrize(
+    ("make", "keeps_partition"), [(_uncertain, True), (_quarantined, False)],
+    ids=["uncertain", "quarantined"],
+)  # fmt: skip
+def test_resolve_delivered_without_a_location_keeps_only_where_a_send_went(
+    database_url: str, make: Callable[[str], uuid.UUID], keeps_partition: bool
+) -> None:
+    """Left out, the location is the partition an uncertain send went to (its record is
+    there if anywhere); a quarantined message's record never reached the one it was
+    aimed at, so it gets none."""
+    message_id = make(database_url)
+    [(aimed_at,)] = fetch_rows(
+        database_url, "SELECT kafka_partition FROM outbox.messages WHERE id = %s", message_id
+    )
+    assert aimed_at is not None
+    result = _outbox(
+        "resolve", str(message_id), "--delivered", "--fence", _fence(database_url, message_id),
+        "--reason", "found it", url=database_url,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = aimed_at if keeps_partition else None
+    assert _state(database_url, message_id) == ("delivered", expected, None)
 
 
 @pytest.mark.parametrize("make", [_uncertain, _quarantined], ids=["uncertain", "quarantined"])

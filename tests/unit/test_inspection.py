@@ -101,15 +101,32 @@ def test_the_next_action_of_a_message_waiting_for_a_publisher_says_whether_one_r
     assert _timeline(state, running=False).next_action.startswith(stopped_action)
 
 
-def test_escalated_and_waiting_notes_come_before_the_missing_publisher() -> None:
-    """Those say what only a person (or outbox-publisher reconcile) can do."""
-    escalated = _timeline("uncertain", escalated=True, running=False)
+def test_an_uncertain_message_next_action_in_the_status_view_order() -> None:
+    """Escalated (only a person decides it), then no publisher, then the reconciler's note
+    that it waits on Kafka, then overdue, then wait: the order of the status view's line."""
+    note = "reconciliation waits: the producer session ..."
+    late = NOW - OVERDUE_AFTER - SECOND
+    escalated = _timeline("uncertain", escalated=True, running=False, last_error=note)
     assert escalated.next_action.startswith("the evidence in Kafka is gone")
     assert "--fence 3" in escalated.next_action
-    waiting = _timeline(
-        "uncertain", running=False, last_error="reconciliation waits: the producer session ..."
-    )
+    stopped = _timeline("uncertain", running=False, last_error=note, available_at=late)
+    assert stopped.next_action.startswith("no publisher is running to reconcile it")
+    waiting = _timeline("uncertain", last_error=note, available_at=late)
     assert waiting.next_action.startswith("do what its last error says")
+    overdue = _timeline("uncertain", available_at=late)
+    assert overdue.next_action.startswith("undecided 5 minutes past its write deadline")
+    assert _timeline("uncertain").next_action.startswith("wait: the reconciler decides it")
+
+
+def test_an_expired_lease_says_so_whether_or_not_a_publisher_runs() -> None:
+    expired = NOW - SECOND
+    assert _timeline("in_flight", lease_expires_at=expired).next_action.startswith(
+        "its lease expired: its publisher died or stalled; a running publisher recovers it"
+    )
+    assert _timeline("in_flight", lease_expires_at=expired, running=False).next_action == (
+        "its lease expired and no publisher is running to recover it: start "
+        "outbox-publisher, or run outbox-publisher reconcile"
+    )
 
 
 def test_a_held_message_points_to_its_holder_and_to_a_missing_publisher() -> None:
