@@ -118,6 +118,48 @@ class _Fields(logging.Filter):
         return True
 
 
+def _expected_by_a_client(error: BaseException | None) -> bool:
+    """A network error or one of kafka-python's own (a lost connection, a refused one, a
+    request timed out): what a Kafka client meets and retries, not a fault in its code."""
+    module = type(error).__module__
+    return (
+        error is None
+        or isinstance(error, OSError)
+        or module == "kafka"
+        or module.startswith("kafka.")
+    )
+
+
+class _KafkaClientErrors(logging.Filter):
+    """kafka-python's ERROR lines at WARNING, their network tracebacks in one line.
+
+    A broker that restarts or loses its leadership makes kafka-python log a few
+    dozen ERROR lines per publisher, some with a traceback of its socket code
+    ("Connection reset by peer", "Connection lost", "Error sending produce
+    request"): connections it reopens and requests it retries. What they did
+    to messages, if anything, is in the publisher's own lines (an outage,
+    uncertain, quarantined), which keep their level, so an alert on ERROR
+    means a message. A kafka-python line with any other exception (a fault in
+    the client itself) keeps its level and its traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Lower the record in place; never drops one."""
+        if record.levelno < logging.ERROR or not (
+            record.name == "kafka" or record.name.startswith("kafka.")
+        ):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        if not _expected_by_a_client(error):
+            return True
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        if error is not None:
+            record.msg = f"{record.getMessage()} ({type(error).__name__}: {error})"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def configure_logging(
     level: str,
     log_format: str,
@@ -131,12 +173,15 @@ def configure_logging(
     so that lines of several publishers collected together can be told apart.
     kafka-python logs every reconnect at INFO/ERROR and an ERROR for each
     topic it has not seen yet (even one the broker creates on first use);
-    the publisher's own lines say what matters, so those are quietened.
+    the publisher's own lines say what matters, so those are quietened: its
+    INFO lines are not shown, and its ERROR lines about connections and
+    requests are shown at WARNING (``_KafkaClientErrors``).
     """
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
+    handler.addFilter(_KafkaClientErrors())
     if fields:
         handler.addFilter(_Fields(fields))
     root = logging.getLogger()

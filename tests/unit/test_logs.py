@@ -137,3 +137,38 @@ def test_configure_logging_text_writes_the_context_in_the_message() -> None:
     (line,) = stream.getvalue().splitlines()
     assert line.endswith(f"WARNING publisher.loop: message {MESSAGE_ID} attempt 3 fence 7: stale")
     assert "p-1" not in line
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_kafka_client_network_errors_are_warnings_in_one_line_and_the_publishers_stay() -> None:
+    """A broker restart makes kafka-python log ERROR lines, some with a traceback of its
+    socket code: shown at WARNING, the exception in the line; the publisher's own ERROR
+    lines, and a fault inside the client (an exception of another kind), keep theirs."""
+    stream = io.StringIO()
+    configure_logging("INFO", "json", stream)
+    transport = logging.getLogger("kafka.net.transport")
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        transport.exception("<KafkaTCPTransport [%s]>: Error receiving network data", "none")
+    logging.getLogger("kafka.net.manager").error("Connection failed: %s", "111 ECONNREFUSED")
+    try:
+        raise AttributeError("'NoneType' object has no attribute 'send'")
+    except AttributeError:
+        logging.getLogger("kafka.producer.sender").exception("Uncaught error in kafka producer")
+    logging.getLogger("publisher.loop").error("message x: quarantined: too large")
+    logging.getLogger("kafka.net.transport").info("not shown: kafka-python's INFO")
+    reset, refused, fault, own = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert (reset["level"], reset["logger"]) == ("WARNING", "kafka.net.transport")
+    assert reset["message"] == (
+        "<KafkaTCPTransport [none]>: Error receiving network data "
+        "(ConnectionResetError: [Errno 104] Connection reset by peer)"
+    )
+    assert "exception" not in reset
+    assert (refused["level"], refused["message"]) == (
+        "WARNING",
+        "Connection failed: 111 ECONNREFUSED",
+    )
+    assert fault["level"] == "ERROR"
+    assert "Traceback" in fault["exception"]
+    assert (own["level"], own["message"]) == ("ERROR", "message x: quarantined: too large")
