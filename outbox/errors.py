@@ -40,12 +40,13 @@ class InvalidHeaders(InvalidMessage):
 
 
 class HeadersTooLarge(InvalidHeaders):
-    """Header names and values together are larger than the configured maximum
-    (16,384 bytes by default)."""
+    """Headers take more than the configured maximum (16,384 bytes by default) in a Kafka
+    record: their names and values in UTF-8, each after its length (1 to 3 bytes)."""
 
 
-class ValueTooLarge(InvalidMessage):
-    """The encoded value is larger than the configured maximum."""
+class ValueTooLarge(InvalidValue):
+    """The encoded value is larger than the configured maximum (1,000,000 bytes by
+    default)."""
 
 
 class InvalidIdempotencyKey(InvalidMessage):

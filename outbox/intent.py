@@ -41,7 +41,8 @@ _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
 #: ``message.max.bytes`` (1 MiB) so that key, headers and framing still fit.
 DEFAULT_MAX_VALUE_BYTES = 1_000_000
 #: Default ceilings for the key and for all headers together (names and
-#: values, UTF-8). With the default value ceiling, the largest message the
+#: values, UTF-8, each with the length Kafka stores before it: see
+#: ``header_bytes``). With the default value ceiling, the largest message the
 #: defaults accept (1,000,000 + 16,384 + 16,384 bytes) still leaves about
 #: 15 kB of Kafka's default 1 MiB ``message.max.bytes`` for the record's
 #: framing and the headers the library adds. Each publisher claim holds the
@@ -161,13 +162,34 @@ def encode_value(value: object) -> tuple[bytes, bool]:
     return _utf8(text, "value (as JSON)", InvalidValue), True
 
 
+def _varint_bytes(length: int) -> int:
+    """How many bytes Kafka's record format takes to store ``length`` (a zigzag varint)."""
+    zigzag, size = length << 1, 1
+    while zigzag >= 0x80:
+        zigzag >>= 7
+        size += 1
+    return size
+
+
+def header_bytes(name: bytes, value: bytes) -> int:
+    """What one header takes in a Kafka record: its name and value, each after its length.
+
+    The lengths are 1 to 3 bytes each for the sizes allowed here: thousands of
+    tiny headers take several times their names and values, and would
+    otherwise pass a ceiling on names and values alone only to be refused by
+    the broker as too large.
+    """
+    return _varint_bytes(len(name)) + len(name) + _varint_bytes(len(value)) + len(value)
+
+
 def encode_headers(
     headers: Headers | None, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 ) -> tuple[list[str], list[bytes]]:
     """Encode headers given as a mapping or a list of ``(name, value)`` pairs.
 
-    Names are stored as ``text`` (no NUL), values as ``bytea``; names and
-    values together, in UTF-8 bytes, may be at most ``max_header_bytes``.
+    Names are stored as ``text`` (no NUL), values as ``bytea``; together, as a
+    Kafka record stores them (``header_bytes``: UTF-8, each after its length),
+    they may take at most ``max_header_bytes``.
     """
     if headers is None:
         return [], []
@@ -205,11 +227,12 @@ def encode_headers(
                 f"header {name!r} has a {type(value).__name__} value; it must be bytes "
                 "(or bytearray, memoryview) or str"
             )
-        total += len(name.encode()) + len(encoded)
+        total += header_bytes(name.encode(), encoded)
         if total > max_header_bytes:
             raise HeadersTooLarge(
-                f"headers are at least {total} bytes (names and values, UTF-8; counted up to "
-                f"header {index}, {name[:40]!r}); the configured maximum is {max_header_bytes}"
+                f"headers take at least {total} bytes in a Kafka record (names and values, "
+                f"UTF-8, each after its length; counted up to header {index}, {name[:40]!r}); "
+                f"the configured maximum is {max_header_bytes}"
             )
         names.append(name)
         values.append(encoded)

@@ -9,8 +9,14 @@ import psycopg
 import pytest
 
 import outbox
+from outbox.intent import (
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_KEY_BYTES,
+    DEFAULT_MAX_VALUE_BYTES,
+    header_bytes,
+)
 from publisher.partitioning import partition_for
-from tests.support import count_by_state, publish_until_idle, read_topic
+from tests.support import SINKS, count_by_state, publish_until_idle, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +129,26 @@ def test_unkeyed_messages_spread_over_partitions_by_id(
     }
     assert {r.partition for r in records} == {0, 1, 2}
     assert all(isinstance(r.outbox_id, uuid.UUID) for r in records)
+
+
+@pytest.mark.parametrize("sink", SINKS)
+def test_the_largest_message_the_defaults_accept_is_delivered(
+    database_url: str, kafka_bootstrap: str, topic: str, sink: str
+) -> None:
+    """Value, key and headers each at their default ceiling, the headers as thousands of
+    tiny ones (each stored after two lengths), a JSON value's content-type and the
+    publisher's id header on top: within a broker's default message.max.bytes, so it is
+    delivered, not refused as too large."""
+    value = {"blob": "x" * (DEFAULT_MAX_VALUE_BYTES - len('{"blob":""}'))}
+    key = b"k" * DEFAULT_MAX_KEY_BYTES
+    headers = [("a", b"")] * (DEFAULT_MAX_HEADER_BYTES // header_bytes(b"a", b""))
+    with psycopg.connect(database_url) as conn:
+        message_id = outbox.enqueue(conn, topic, value, key=key, headers=headers)
+    totals = publish_until_idle(database_url, kafka_bootstrap, sink=sink)
+    assert (totals.delivered, totals.quarantined) == (1, 0)
+    [record] = read_topic(kafka_bootstrap, topic)
+    assert record.outbox_id == message_id
+    assert len(record.value) == DEFAULT_MAX_VALUE_BYTES
+    assert (record.key, len(record.headers)) == (key, len(headers) + 2)
+    with pytest.raises(outbox.HeadersTooLarge):  # one more tiny header is refused at once
+        outbox.enqueue(object(), topic, value, key=key, headers=[*headers, ("a", b"")])

@@ -37,6 +37,7 @@ from outbox.intent import (
     encode_headers,
     encode_key,
     encode_value,
+    header_bytes,
     validate_topic,
 )
 
@@ -324,9 +325,11 @@ def test_build_intent_accepts_a_value_of_exactly_the_maximum(
     [(b"x" * 11, 10), ({"a": 10}, len(b'{"a":1}')), ("é" * 5, 9)],
 )
 def test_build_intent_refuses_a_value_over_the_maximum(value: object, max_value_bytes: int) -> None:
-    """An encoded value one byte over max_value_bytes raises ValueTooLarge."""
+    """An encoded value one byte over max_value_bytes raises ValueTooLarge, an InvalidValue
+    (as KeyTooLarge is an InvalidKey and HeadersTooLarge an InvalidHeaders)."""
     with pytest.raises(ValueTooLarge, match=f"maximum is {max_value_bytes}"):
         build_intent("orders", value, max_value_bytes=max_value_bytes)
+    assert issubclass(ValueTooLarge, InvalidValue)
 
 
 @pytest.mark.parametrize("idempotency_key", ["", 42, b"order-42", ["k"]])
@@ -452,16 +455,27 @@ def test_the_key_limit_is_configurable() -> None:
         Outbox(max_key_bytes=4).enqueue(object(), "orders", b"v", key="12345")
 
 
+def test_a_header_takes_its_name_and_value_each_after_its_length() -> None:
+    """As Kafka's record format stores a header: zigzag varint lengths, 1 byte below 64,
+    2 below 8,192, 3 below 1,048,576."""
+    assert header_bytes(b"a", b"") == 3
+    assert header_bytes(b"n" * 63, b"v" * 64) == 1 + 63 + 2 + 64
+    assert header_bytes(b"n" * 8191, b"v" * 8192) == 2 + 8191 + 3 + 8192
+
+
 def test_build_intent_accepts_headers_of_exactly_the_maximum() -> None:
-    """Header names and values adding up to max_header_bytes are accepted."""
+    """Headers taking exactly max_header_bytes in a Kafka record are accepted."""
     headers: list[tuple[str, bytes | str]] = [
-        ("a", b"x" * 99),
-        ("b", "é" * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2)),
+        ("a", b"x" * 99),  # 1 + 1 + 2 + 99
+        ("b", "é" * 4000),  # 1 + 1 + 2 + 8,000
     ]
-    used = 1 + 99 + 1 + 2 * ((DEFAULT_MAX_HEADER_BYTES - 101) // 2)
-    headers.append(("c", b"y" * (DEFAULT_MAX_HEADER_BYTES - used - 1)))
+    used = 103 + 8004
+    headers.append(("c", b"y" * (DEFAULT_MAX_HEADER_BYTES - used - 1 - 1 - 3)))  # 8,272 bytes
     intent = build_intent("orders", b"v", headers=headers)
-    size = sum(len(n.encode()) for n in intent.header_names) + sum(map(len, intent.header_values))
+    size = sum(
+        header_bytes(n.encode(), v)
+        for n, v in zip(intent.header_names, intent.header_values, strict=True)
+    )
     assert size == DEFAULT_MAX_HEADER_BYTES
 
 
@@ -472,8 +486,12 @@ def test_build_intent_accepts_headers_of_exactly_the_maximum() -> None:
         {"n" * (DEFAULT_MAX_HEADER_BYTES + 1): b""},
         [(f"h{i}", b"x" * 1000) for i in range(17)],
         [("h", "é" * (DEFAULT_MAX_HEADER_BYTES // 2))],
+        # Names and values of 16,384 bytes, but three times that in a record: a
+        # broker with the default message.max.bytes refuses it.
+        [("a", b"")] * DEFAULT_MAX_HEADER_BYTES,
+        [("h", b"x" * (DEFAULT_MAX_HEADER_BYTES - 1 - 1 - 2))],  # one byte over with lengths
     ],
-    ids=["one-value", "one-name", "many", "utf8-counts-bytes"],
+    ids=["one-value", "one-name", "many", "utf8-counts-bytes", "tiny-ones", "lengths-count"],
 )
 def test_build_intent_refuses_headers_over_the_maximum(headers: Any) -> None:
     """Names plus values over max_header_bytes raise HeadersTooLarge (an InvalidHeaders)."""
@@ -484,7 +502,9 @@ def test_build_intent_refuses_headers_over_the_maximum(headers: Any) -> None:
 
 def test_the_header_limit_is_configurable() -> None:
     """Outbox(max_header_bytes=...) moves the header limit."""
-    with pytest.raises(HeadersTooLarge, match=r"at least 9 bytes .*; the configured maximum is 8$"):
+    with pytest.raises(
+        HeadersTooLarge, match=r"at least 11 bytes .*; the configured maximum is 8$"
+    ):
         Outbox(max_header_bytes=8).enqueue(object(), "orders", b"v", headers={"abcd": "efghi"})
 
 
