@@ -21,7 +21,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 import sqlalchemy as sa
-from kafka import KafkaConsumer, TopicPartition
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
@@ -92,6 +91,10 @@ def handle_requests(database_url: str) -> None:
 
 def read_back(bootstrap: str) -> None:
     """Print every record of the demo topic, as a consumer reads it."""
+    # Imported here: the models above are the Alembic example's too
+    # (examples/migrations), which needs only the library and SQLAlchemy.
+    from kafka import KafkaConsumer, TopicPartition  # noqa: PLC0415
+
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         group_id=None,

@@ -127,3 +127,24 @@ def test_every_form_of_import_is_seen(
     path.parent.mkdir(parents=True)
     path.write_text(source + "\n")
     assert expected in imported_modules(path, tmp_path)
+
+
+def test_the_alembic_example_loads_without_a_kafka_client() -> None:
+    """examples/migrations is the Alembic project a service copies, and its env.py takes the
+    models from demo_service: neither may import Kafka or the publisher when loaded (a
+    service that only enqueues installs neither), only inside the demo's read-back."""
+    loaded = {
+        _name(path): sorted(
+            module
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for module in (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
+            if _is_within(module, ("kafka", "confluent_kafka", "publisher"))
+        )
+        for path in (ROOT / "examples/migrations/env.py", ROOT / "examples/demo_service.py")
+    }
+    assert loaded == {"examples/migrations/env.py": [], "examples/demo_service.py": []}
