@@ -24,8 +24,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql as pg
+try:
+    import sqlalchemy as sa
+    from sqlalchemy.dialects import postgresql as pg
+except ModuleNotFoundError as missing:  # the library alone does not install it
+    raise ModuleNotFoundError(
+        "outbox.metadata describes the outbox tables to SQLAlchemy, which is not installed: "
+        "pip install 'pg-kafka-outbox[sqlalchemy]'",
+        name=missing.name,
+    ) from missing
 
 #: The PostgreSQL schema holding every outbox object.
 SCHEMA = "outbox"
