@@ -9,6 +9,7 @@ search for one message id finds its whole story. ``MessageLog`` adds both;
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
@@ -118,46 +119,81 @@ class _Fields(logging.Filter):
         return True
 
 
-def _expected_by_a_client(error: BaseException | None) -> bool:
-    """A network error or one of kafka-python's own (a lost connection, a refused one, a
-    request timed out): what a Kafka client meets and retries, not a fault in its code."""
-    module = type(error).__module__
+def _retried(error: BaseException) -> bool:
+    """An error the producer client retries by itself: a network one, one kafka-python marks
+    retriable (a connection lost or refused, a request timed out, a leader moved), or the
+    publisher's own (a write deadline that aborted a request on purpose)."""
     return (
-        error is None
-        or isinstance(error, OSError)
-        or module == "kafka"
-        or module.startswith("kafka.")
+        isinstance(error, OSError)
+        or getattr(error, "retriable", False) is True
+        or type(error).__module__.split(".")[0] == "publisher"
     )
 
 
-class _KafkaClientErrors(logging.Filter):
-    """kafka-python's ERROR lines at WARNING, their network tracebacks in one line.
+def _about_a_retried_connection(record: logging.LogRecord) -> bool:
+    """Whether an ERROR line of a producer library is about a connection or request it
+    retries: kafka-python's with only retried errors attached (or, from its network
+    layer, none), librdkafka's broker connection failures (its facility ``FAIL``)."""
+    if record.name == "publisher.librdkafka":
+        return isinstance(record.args, tuple) and bool(record.args) and record.args[0] == "FAIL"
+    if not (record.name == "kafka" or record.name.startswith("kafka.")):
+        return False
+    if record.exc_info and record.exc_info[1] is not None:
+        errors: list[BaseException] = [record.exc_info[1]]
+    else:
+        args = record.args if isinstance(record.args, tuple) else ()
+        errors = [arg for arg in args if isinstance(arg, BaseException)]
+    if errors:
+        return all(_retried(error) for error in errors)
+    return record.name.startswith("kafka.net.")
 
-    A broker that restarts or loses its leadership makes kafka-python log a few
-    dozen ERROR lines per publisher, some with a traceback of its socket code
-    ("Connection reset by peer", "Connection lost", "Error sending produce
-    request"): connections it reopens and requests it retries. What they did
-    to messages, if anything, is in the publisher's own lines (an outage,
-    uncertain, quarantined), which keep their level, so an alert on ERROR
-    means a message. A kafka-python line with any other exception (a fault in
-    the client itself) keeps its level and its traceback.
+
+def _as_shown(record: logging.LogRecord, threshold: int) -> logging.LogRecord | None:
+    """The record as the publisher's handler shows it, or None when it is not shown.
+
+    A producer library's ERROR line about a connection or request it retries is
+    shown at WARNING (if the configured level shows warnings), its traceback
+    folded into the line: a broker that restarts or loses its leadership makes
+    kafka-python log a few dozen such lines per publisher, some with a
+    traceback of its socket code, and librdkafka one per connection attempt.
+    What they did to messages, if anything, is in the publisher's own lines
+    (an outage, uncertain, quarantined), which keep their level, so an alert on
+    ERROR means a message or a fault. Anything else, an authentication or
+    authorization error or a fault in the client included, keeps its level
+    and its traceback. A copy is changed: other handlers get the record as
+    logged. Never raises: a record it cannot read is shown as it is.
     """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """Lower the record in place; never drops one."""
-        if record.levelno < logging.ERROR or not (
-            record.name == "kafka" or record.name.startswith("kafka.")
-        ):
-            return True
+    try:
+        if record.levelno != logging.ERROR or not _about_a_retried_connection(record):
+            return record
+        if threshold > logging.WARNING:
+            return None
+        shown = copy.copy(record)
+        shown.levelno, shown.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         error = record.exc_info[1] if record.exc_info else None
-        if not _expected_by_a_client(error):
-            return True
-        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         if error is not None:
-            record.msg = f"{record.getMessage()} ({type(error).__name__}: {error})"
-            record.args = None
-            record.exc_info = record.exc_text = None
-        return True
+            said = str(error)
+            if type(error).__name__ not in said:  # kafka-python's errors name themselves
+                said = f"{type(error).__name__}: {said}"
+            shown.msg, shown.args = f"{record.getMessage()} ({said})", None
+            shown.exc_info = shown.exc_text = None
+        return shown
+    except Exception:  # noqa: BLE001 - a log line must never fail the code that logs it
+        return record
+
+
+class _PublisherHandler(logging.StreamHandler[TextIO]):
+    """The publisher's one log handler: every line, with the producer libraries' lines
+    about connections they retry lowered (``_as_shown``)."""
+
+    def __init__(self, stream: TextIO, threshold: int) -> None:
+        super().__init__(stream)
+        self._threshold = threshold
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        """Emit the record as ``_as_shown`` has it (nothing when it is not shown)."""
+        shown = _as_shown(record, self._threshold)
+        return False if shown is None else bool(super().handle(shown))
 
 
 def configure_logging(
@@ -175,19 +211,18 @@ def configure_logging(
     topic it has not seen yet (even one the broker creates on first use);
     the publisher's own lines say what matters, so those are quietened: its
     INFO lines are not shown, and its ERROR lines about connections and
-    requests are shown at WARNING (``_KafkaClientErrors``).
+    requests it retries are shown at WARNING, as are librdkafka's (``_as_shown``).
     """
-    handler = logging.StreamHandler(stream or sys.stderr)
+    root = logging.getLogger()
+    root.setLevel(level)
+    handler = _PublisherHandler(stream or sys.stderr, root.level)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
-    handler.addFilter(_KafkaClientErrors())
     if fields:
         handler.addFilter(_Fields(fields))
-    root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level)
     logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
     logging.getLogger("kafka.cluster").setLevel(logging.CRITICAL)

@@ -7,9 +7,15 @@ import json
 import logging
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from kafka.errors import (
+    IllegalStateError,
+    KafkaConnectionError,
+    RequestTimedOutError,
+    SaslAuthenticationFailedError,
+)
 
 from publisher.logs import JsonFormatter, MessageLog, configure_logging
 
@@ -139,36 +145,93 @@ def test_configure_logging_text_writes_the_context_in_the_message() -> None:
     assert "p-1" not in line
 
 
+def _logged_with_traceback(logger: str, message: str, error: BaseException) -> None:
+    try:
+        raise error
+    except BaseException:
+        logging.getLogger(logger).exception(message)
+
+
 @pytest.mark.usefixtures("restore_logging")
-def test_kafka_client_network_errors_are_warnings_in_one_line_and_the_publishers_stay() -> None:
-    """A broker restart makes kafka-python log ERROR lines, some with a traceback of its
-    socket code: shown at WARNING, the exception in the line; the publisher's own ERROR
-    lines, and a fault inside the client (an exception of another kind), keep theirs."""
+def test_errors_the_producer_client_retries_are_warnings_in_one_line() -> None:
+    """A broker restart makes kafka-python log ERROR lines (some with a traceback of its
+    socket code) and librdkafka one per failed connection: shown at WARNING, the exception
+    in the line. Everything else keeps its level and traceback: the publisher's own lines,
+    an authentication or authorization error, a fault in the client, a CRITICAL line."""
     stream = io.StringIO()
     configure_logging("INFO", "json", stream)
-    transport = logging.getLogger("kafka.net.transport")
-    try:
-        raise ConnectionResetError(104, "Connection reset by peer")
-    except ConnectionResetError:
-        transport.exception("<KafkaTCPTransport [%s]>: Error receiving network data", "none")
-    logging.getLogger("kafka.net.manager").error("Connection failed: %s", "111 ECONNREFUSED")
-    try:
-        raise AttributeError("'NoneType' object has no attribute 'send'")
-    except AttributeError:
-        logging.getLogger("kafka.producer.sender").exception("Uncaught error in kafka producer")
-    logging.getLogger("publisher.loop").error("message x: quarantined: too large")
-    logging.getLogger("kafka.net.transport").info("not shown: kafka-python's INFO")
-    reset, refused, fault, own = (json.loads(line) for line in stream.getvalue().splitlines())
-    assert (reset["level"], reset["logger"]) == ("WARNING", "kafka.net.transport")
-    assert reset["message"] == (
-        "<KafkaTCPTransport [none]>: Error receiving network data "
+    _logged_with_traceback(
+        "kafka.net.transport", "<transport>: Error receiving network data", ConnectionResetError(
+            104, "Connection reset by peer"
+        )
+    )  # fmt: skip
+    logging.getLogger("kafka.net.manager").error(
+        "Connection failed: %s", KafkaConnectionError("111")
+    )
+    logging.getLogger("kafka.net.transport").error("<transport>: socket disconnected")
+    logging.getLogger("kafka.producer.sender").error(
+        "Error sending produce request to node %d: %s", 2, RequestTimedOutError("after 30000 ms")
+    )
+    logging.getLogger("publisher.librdkafka").error("%s [%s] %s", "FAIL", "rdkafka#1", "refused")
+    kept: dict[str, Callable[[], None]] = {
+        "own": lambda: logging.getLogger("publisher.loop").error("message x: quarantined"),
+        "login": lambda: logging.getLogger("kafka.net.connection").error(
+            "Connection lost: %s", SaslAuthenticationFailedError("wrong password")
+        ),
+        "fault": lambda: _logged_with_traceback(
+            "kafka.producer.sender", "Uncaught error in kafka producer", IllegalStateError("x")
+        ),
+        "no error, not the network": lambda: logging.getLogger(
+            "kafka.producer.transaction_manager"
+        ).error("Aborting producer batches due to fatal error"),
+        "critical": lambda: logging.getLogger("kafka.net.transport").critical("bad"),
+        "librdkafka, not a connection": lambda: logging.getLogger("publisher.librdkafka").error(
+            "%s [%s] %s", "ERROR", "rdkafka#1", "other"
+        ),
+    }
+    for log in kept.values():
+        log()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    lowered, rest = lines[:5], lines[5:]
+    assert [line["level"] for line in lowered] == ["WARNING"] * 5
+    assert all("exception" not in line for line in lowered)
+    assert lowered[0]["message"] == (
+        "<transport>: Error receiving network data "
         "(ConnectionResetError: [Errno 104] Connection reset by peer)"
     )
-    assert "exception" not in reset
-    assert (refused["level"], refused["message"]) == (
-        "WARNING",
-        "Connection failed: 111 ECONNREFUSED",
+    assert lowered[3]["message"] == (
+        "Error sending produce request to node 2: [Error 7] RequestTimedOutError: after 30000 ms"
     )
-    assert fault["level"] == "ERROR"
-    assert "Traceback" in fault["exception"]
-    assert (own["level"], own["message"]) == ("ERROR", "message x: quarantined: too large")
+    assert [line["level"] for line in rest] == [
+        "ERROR", "ERROR", "ERROR", "ERROR", "CRITICAL", "ERROR"
+    ]  # fmt: skip
+    assert "Traceback" in rest[2]["exception"]
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_a_lowered_line_is_hidden_below_its_new_level_and_other_handlers_get_it_unchanged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--log-level ERROR hides what is lowered to WARNING, as it hides the publisher's own
+    warnings; a handler of the application's own (an alert) still gets the ERROR."""
+    stream = io.StringIO()
+    configure_logging("ERROR", "text", stream)
+    logging.getLogger().addHandler(caplog.handler)
+    _logged_with_traceback("kafka.net.transport", "reset", ConnectionResetError(104, "reset"))
+    logging.getLogger("publisher.loop").error("message x: quarantined")
+    (line,) = stream.getvalue().splitlines()
+    assert line.endswith("ERROR publisher.loop: message x: quarantined")
+    [original, _] = caplog.records
+    assert (original.levelname, original.exc_info is not None) == ("ERROR", True)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_a_client_line_that_cannot_be_formatted_does_not_raise_into_the_client() -> None:
+    """Logging never raises into the code that logs (logging reports the bad call itself)."""
+    configure_logging("INFO", "text", io.StringIO())
+    logging.raiseExceptions, before = False, logging.raiseExceptions
+    try:
+        bad = logging.getLogger("kafka.net.transport")
+        bad.error("%s: %s", "one argument for two")  # a bad call, as a library may make
+    finally:
+        logging.raiseExceptions = before
