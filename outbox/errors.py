@@ -41,7 +41,8 @@ class InvalidHeaders(InvalidMessage):
 
 class HeadersTooLarge(InvalidHeaders):
     """Headers take more than the configured maximum (16,384 bytes by default) in a Kafka
-    record: their names and values in UTF-8, each after its length (1 to 3 bytes)."""
+    record: their names and values in UTF-8, each after its length (a varint: 1 to 3 bytes
+    for a name or value under 1 MiB)."""
 
 
 class ValueTooLarge(InvalidValue):

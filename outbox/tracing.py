@@ -21,7 +21,30 @@ TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 TRACE_HEADERS = frozenset({TRACEPARENT, TRACESTATE})
 
+#: The longest ``tracestate`` stored with a message, in characters: what W3C
+#: Trace Context asks every vendor to propagate. OpenTelemetry caps one it
+#: extracts from a request at 8,192, but not one built in the process (32
+#: members of up to 512 characters); uncapped, it could take a message past
+#: Kafka's default size limit, counted in no limit of the library's.
+MAX_TRACESTATE = 512
+#: Members longer than this go first when a ``tracestate`` is cut (W3C Trace Context).
+_LONG_MEMBER = 128
+
 _Inject = Callable[[], dict[str, str]]
+
+
+def bounded_tracestate(value: str) -> str:
+    """``value`` cut to at most ``MAX_TRACESTATE`` characters as W3C Trace Context says a
+    vendor may cut it: members longer than 128 characters removed first, then members from
+    the end (the most recently added ones are at the start); ``""`` when none is left."""
+    if len(value) <= MAX_TRACESTATE:
+        return value
+    members = [m.strip() for m in value.split(",") if m.strip()]
+    if len(",".join(members)) > MAX_TRACESTATE:
+        members = [m for m in members if len(m) <= _LONG_MEMBER]
+    while members and len(",".join(members)) > MAX_TRACESTATE:
+        members.pop()
+    return ",".join(members)
 
 
 @functools.cache
@@ -55,7 +78,8 @@ def add_trace_context(names: list[str], values: list[bytes]) -> None:
     Nothing is added when the caller set either header already (names
     compared case-insensitively): the caller's trace context wins whole,
     since a ``tracestate`` belongs to the ``traceparent`` beside it. Nothing
-    is added without OpenTelemetry or without a valid current span.
+    is added without OpenTelemetry or without a valid current span. A
+    ``tracestate`` is cut to ``MAX_TRACESTATE`` characters (``bounded_tracestate``).
     """
     inject = _injector()
     if inject is None:
@@ -63,5 +87,7 @@ def add_trace_context(names: list[str], values: list[bytes]) -> None:
     if any(name.lower() in TRACE_HEADERS for name in names):
         return
     for name, value in inject().items():
-        names.append(name)
-        values.append(value.encode())
+        text = bounded_tracestate(value) if name == TRACESTATE else value
+        if text:
+            names.append(name)
+            values.append(text.encode())

@@ -29,6 +29,7 @@ from opentelemetry.trace.span import TraceState
 
 from outbox.intent import build_intent
 from outbox.states import State
+from outbox.tracing import MAX_TRACESTATE, bounded_tracestate
 from publisher.outcomes import TransactionEnd
 from publisher.sink import SendReport
 from publisher.store import Batch, ClaimedMessage
@@ -97,6 +98,38 @@ def test_a_non_empty_tracestate_is_stored_beside_the_traceparent(provider: Trace
     headers = _headers(intent.header_names, intent.header_values)
     assert headers["traceparent"].startswith(b"00-00000000000000000000000000000abc-")
     assert headers["tracestate"] == b"vendor=v1,other=x"
+
+
+def test_a_long_tracestate_is_cut_as_w3c_trace_context_allows(provider: TracerProvider) -> None:
+    """A tracestate built in the process can hold 32 members of up to 512 characters, past
+    Kafka's default message size with the largest message the limits accept: long members
+    go first, then members from the end, to at most 512 characters."""
+    members = [(f"v{i}", "x" * 200 if i % 2 else f"s{i}" * 20) for i in range(32)]
+    parent = _remote(0xABC, 0xDEF, TraceState(members))
+    with provider.get_tracer("test").start_as_current_span(
+        "request", context=trace.set_span_in_context(NonRecordingSpan(parent))
+    ):
+        intent = build_intent("orders", b"raw")
+    stored = _headers(intent.header_names, intent.header_values)["tracestate"].decode()
+    assert len(stored) <= MAX_TRACESTATE
+    short = [f"{key}={value}" for key, value in members if len(value) < 128]
+    kept = stored.split(",")
+    assert kept == short[: len(kept)]  # the long ones gone, then the short ones from the end
+    assert len(",".join(short[: len(kept) + 1])) > MAX_TRACESTATE  # as many as fit
+
+
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [
+        ("a=1,b=2", "a=1,b=2"),
+        (",".join(["k=" + "v" * 300, "a=1"]), "k=" + "v" * 300 + ",a=1"),  # 306 <= 512
+        (",".join(["k=" + "v" * 300, "j=" + "w" * 300, "a=1"]), "a=1"),
+        ("k=" + "v" * 600, ""),  # nothing left: the header is left out
+    ],
+    ids=["short", "fits", "long-members-first", "none-left"],
+)
+def test_bounded_tracestate(value: str, stored: str) -> None:
+    assert bounded_tracestate(value) == stored
 
 
 @pytest.mark.parametrize("name", ["traceparent", "TraceParent", "tracestate"])
