@@ -10,11 +10,12 @@
 --
 -- No publisher running. A key held by a message that waits for a retry, a
 -- recovery or a reconciliation said "wait for ...": nothing comes while no
--- publisher runs. Its next action now says so, as the status view's lines
--- do, judged the same way: no lane leased now (outbox.lanes, one row a
--- lane), and in the same order: for an uncertain message, escalated first
--- (a person decides it either way), then no publisher, then the
--- reconciler's note that it waits on Kafka, then overdue. A quarantined
+-- publisher runs. Its next action now says so, as the status view's pending
+-- and uncertain lines do (its in_flight line says "a running publisher
+-- recovers them"), judged the same way: no lane leased now (outbox.lanes,
+-- one row a lane), and in the same order: for an uncertain message,
+-- escalated first (a person decides it either way), then no publisher, then
+-- the reconciler's note that it waits on Kafka, then overdue. A quarantined
 -- message needs an operator either way: unchanged.
 --
 -- Overdue. A key held by an uncertain message still undecided 5 minutes
