@@ -24,7 +24,7 @@ TRACE_HEADERS = frozenset({TRACEPARENT, TRACESTATE})
 #: The longest ``tracestate`` stored with a message, in characters: what W3C
 #: Trace Context asks every vendor to propagate. OpenTelemetry caps one it
 #: extracts from a request at 8,192, but not one built in the process (32
-#: members of up to 512 characters); uncapped, it could take a message past
+#: members of up to 513 characters); uncapped, it could take a message past
 #: Kafka's default size limit, counted in no limit of the library's.
 MAX_TRACESTATE = 512
 #: Members longer than this go first when a ``tracestate`` is cut (W3C Trace Context).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import ssl
 import sys
 import uuid
 from collections.abc import Mapping, MutableMapping
@@ -119,33 +120,70 @@ class _Fields(logging.Filter):
         return True
 
 
+#: kafka-python's ERROR lines about a connection or request it retries, by their
+#: templates (kafka-python 3.0: kafka/net/transport.py, connection.py and
+#: manager.py, kafka/producer/sender.py). Any other line keeps its level: a
+#: crashed I/O loop, a SASL handshake refused, a proxy, a fatal producer error.
+_RETRIED_BY_KAFKA_PYTHON = frozenset(
+    {
+        "%s: socket disconnected",
+        "%s: Error receiving network data closing socket",
+        "%s: Error sending request data: %s",
+        "%s: Abort (%s)",
+        "Connection failed: %s",
+        "%s: Connection lost: %s",
+        "%s: Error sending produce request to node %d: %s",
+    }
+)
+#: Words of a librdkafka broker failure (facility ``FAIL``) about security: a login
+#: or TLS handshake refused keeps its level, as does a wrong ``security.protocol``.
+_SECURITY_WORDS = ("sasl", "ssl", "tls", "authenticat", "certificate", "security.protocol")
+
+
+def _tls_refusal(error: BaseException) -> bool:
+    """Whether ``error``, or one it was raised from, is a TLS handshake that failed
+    (kafka-python reports a certificate refused as a retriable connection error)."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a cause chain is short; a cycle must not loop for ever
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError) or "Handshake failed" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _retried(error: BaseException) -> bool:
-    """An error the producer client retries by itself: a network one, one kafka-python marks
-    retriable (a connection lost or refused, a request timed out, a leader moved), or the
-    publisher's own (a write deadline that aborted a request on purpose)."""
-    return (
-        isinstance(error, OSError)
-        or getattr(error, "retriable", False) is True
-        or type(error).__module__.split(".")[0] == "publisher"
-    )
+    """An error the producer client retries by itself: a network one or one kafka-python
+    marks retriable (a connection lost or refused, a request timed out, a leader moved),
+    but not a TLS handshake refused; or the publisher's own abort of a request past its
+    batch's write deadline (``publisher.socket_guard.WriteDeadlinePassed``)."""
+    if type(error).__name__ == "WriteDeadlinePassed":
+        return True
+    if _tls_refusal(error):
+        return False
+    return isinstance(error, OSError) or getattr(error, "retriable", False) is True
 
 
 def _about_a_retried_connection(record: logging.LogRecord) -> bool:
     """Whether an ERROR line of a producer library is about a connection or request it
-    retries: kafka-python's with only retried errors attached (or, from its network
-    layer, none), librdkafka's broker connection failures (its facility ``FAIL``)."""
+    retries: one of kafka-python's ``_RETRIED_BY_KAFKA_PYTHON`` with only retried errors
+    attached, or librdkafka's broker failure (facility ``FAIL``) not about security."""
+    args = record.args if isinstance(record.args, tuple) else ()
     if record.name == "publisher.librdkafka":
-        return isinstance(record.args, tuple) and bool(record.args) and record.args[0] == "FAIL"
-    if not (record.name == "kafka" or record.name.startswith("kafka.")):
+        # confluent-kafka logs librdkafka's lines as ("%s [%s] %s", facility, name, text).
+        return (
+            len(args) == 3
+            and args[0] == "FAIL"
+            and not any(word in str(args[2]).lower() for word in _SECURITY_WORDS)
+        )
+    if not record.name.startswith("kafka.") or record.msg not in _RETRIED_BY_KAFKA_PYTHON:
         return False
     if record.exc_info and record.exc_info[1] is not None:
         errors: list[BaseException] = [record.exc_info[1]]
     else:
-        args = record.args if isinstance(record.args, tuple) else ()
         errors = [arg for arg in args if isinstance(arg, BaseException)]
-    if errors:
-        return all(_retried(error) for error in errors)
-    return record.name.startswith("kafka.net.")
+    return all(_retried(error) for error in errors)
 
 
 def _as_shown(record: logging.LogRecord, threshold: int) -> logging.LogRecord | None:
@@ -155,12 +193,12 @@ def _as_shown(record: logging.LogRecord, threshold: int) -> logging.LogRecord | 
     shown at WARNING (if the configured level shows warnings), its traceback
     folded into the line: a broker that restarts or loses its leadership makes
     kafka-python log a few dozen such lines per publisher, some with a
-    traceback of its socket code, and librdkafka one per connection attempt.
+    traceback of its socket code, and librdkafka one per failed connection.
     What they did to messages, if anything, is in the publisher's own lines
     (an outage, uncertain, quarantined), which keep their level, so an alert on
-    ERROR means a message or a fault. Anything else, an authentication or
-    authorization error or a fault in the client included, keeps its level
-    and its traceback. A copy is changed: other handlers get the record as
+    ERROR means a message or a fault. Anything else, a TLS handshake, an
+    authentication or authorization error or a fault in the client included,
+    keeps its level and its traceback. A copy is changed: other handlers get the record as
     logged. Never raises: a record it cannot read is shown as it is.
     """
     try:

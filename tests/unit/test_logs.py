@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from kafka.errors import (
-    IllegalStateError,
     KafkaConnectionError,
+    KafkaTimeoutError,
     RequestTimedOutError,
     SaslAuthenticationFailedError,
 )
 
 from publisher.logs import JsonFormatter, MessageLog, configure_logging
+from publisher.socket_guard import WriteDeadlinePassed
 
 MESSAGE_ID = uuid.UUID("01890a5d-ac96-774b-bcce-b302099a8057")
 
@@ -145,11 +146,15 @@ def test_configure_logging_text_writes_the_context_in_the_message() -> None:
     assert "p-1" not in line
 
 
-def _logged_with_traceback(logger: str, message: str, error: BaseException) -> None:
+def _logged_with_traceback(logger: str, template: str, error: BaseException) -> None:
+    """Log ``error`` with its traceback, as kafka-python does (its object as the ``%s``)."""
     try:
         raise error
     except BaseException:
-        logging.getLogger(logger).exception(message)
+        if template.count("%s"):
+            logging.getLogger(logger).exception(template, "<client>")
+        else:
+            logging.getLogger(logger).exception(template)
 
 
 @pytest.mark.usefixtures("restore_logging")
@@ -157,34 +162,51 @@ def test_errors_the_producer_client_retries_are_warnings_in_one_line() -> None:
     """A broker restart makes kafka-python log ERROR lines (some with a traceback of its
     socket code) and librdkafka one per failed connection: shown at WARNING, the exception
     in the line. Everything else keeps its level and traceback: the publisher's own lines,
-    an authentication or authorization error, a fault in the client, a CRITICAL line."""
+    a TLS handshake or login refused, a fault in the client, a CRITICAL line. The
+    templates are kafka-python 3.0's own."""
     stream = io.StringIO()
     configure_logging("INFO", "json", stream)
+    reset = ConnectionResetError(104, "Connection reset by peer")
     _logged_with_traceback(
-        "kafka.net.transport", "<transport>: Error receiving network data", ConnectionResetError(
-            104, "Connection reset by peer"
-        )
-    )  # fmt: skip
+        "kafka.net.transport", "%s: Error receiving network data closing socket", reset
+    )
+    net = logging.getLogger("kafka.net.connection")
     logging.getLogger("kafka.net.manager").error(
         "Connection failed: %s", KafkaConnectionError("111")
     )
-    logging.getLogger("kafka.net.transport").error("<transport>: socket disconnected")
+    logging.getLogger("kafka.net.transport").error("%s: socket disconnected", "<transport>")
     logging.getLogger("kafka.producer.sender").error(
-        "Error sending produce request to node %d: %s", 2, RequestTimedOutError("after 30000 ms")
+        "%s: Error sending produce request to node %d: %s", "<sender>", 2,
+        RequestTimedOutError("after 30000 ms"),
+    )  # fmt: skip
+    logging.getLogger("kafka.net.transport").error(
+        "%s: Abort (%s)", "<transport>", WriteDeadlinePassed("nothing more written")
     )
-    logging.getLogger("publisher.librdkafka").error("%s [%s] %s", "FAIL", "rdkafka#1", "refused")
+    logging.getLogger("publisher.librdkafka").error(
+        "%s [%s] %s", "FAIL", "rdkafka#producer-1", "127.0.0.1:9092/1: Connect failed: refused"
+    )
+    handshake = KafkaConnectionError("Handshake failed: certificate verify failed")
     kept: dict[str, Callable[[], None]] = {
         "own": lambda: logging.getLogger("publisher.loop").error("message x: quarantined"),
-        "login": lambda: logging.getLogger("kafka.net.connection").error(
-            "Connection lost: %s", SaslAuthenticationFailedError("wrong password")
+        "login": lambda: net.error(
+            "%s: Connection lost: %s", "<conn>", SaslAuthenticationFailedError("wrong password")
+        ),
+        "tls": lambda: net.error("%s: Connection lost: %s", "<conn>", handshake),
+        "sasl handshake": lambda: net.error(
+            "%s: SaslHandshake failed: %s", "<conn>", "UnsupportedSaslMechanismError"
         ),
         "fault": lambda: _logged_with_traceback(
-            "kafka.producer.sender", "Uncaught error in kafka producer", IllegalStateError("x")
+            "kafka.producer.sender",
+            "%s: Uncaught error in kafka producer I/O thread",
+            KafkaTimeoutError("x"),
         ),
-        "no error, not the network": lambda: logging.getLogger(
-            "kafka.producer.transaction_manager"
-        ).error("Aborting producer batches due to fatal error"),
+        "crashed loop": lambda: _logged_with_traceback(
+            "kafka.net.selector", "IO loop crashed (client_id=%s)", OSError(24, "Too many files")
+        ),
         "critical": lambda: logging.getLogger("kafka.net.transport").critical("bad"),
+        "librdkafka login": lambda: logging.getLogger("publisher.librdkafka").error(
+            "%s [%s] %s", "FAIL", "rdkafka#1", "SASL authentication failure: wrong password"
+        ),
         "librdkafka, not a connection": lambda: logging.getLogger("publisher.librdkafka").error(
             "%s [%s] %s", "ERROR", "rdkafka#1", "other"
         ),
@@ -192,20 +214,21 @@ def test_errors_the_producer_client_retries_are_warnings_in_one_line() -> None:
     for log in kept.values():
         log()
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    lowered, rest = lines[:5], lines[5:]
-    assert [line["level"] for line in lowered] == ["WARNING"] * 5
+    lowered, rest = lines[:6], lines[6:]
+    assert [line["level"] for line in lowered] == ["WARNING"] * 6
     assert all("exception" not in line for line in lowered)
     assert lowered[0]["message"] == (
-        "<transport>: Error receiving network data "
+        "<client>: Error receiving network data closing socket "
         "(ConnectionResetError: [Errno 104] Connection reset by peer)"
     )
     assert lowered[3]["message"] == (
-        "Error sending produce request to node 2: [Error 7] RequestTimedOutError: after 30000 ms"
+        "<sender>: Error sending produce request to node 2: [Error 7] RequestTimedOutError: "
+        "after 30000 ms"
     )
     assert [line["level"] for line in rest] == [
-        "ERROR", "ERROR", "ERROR", "ERROR", "CRITICAL", "ERROR"
+        "ERROR", "ERROR", "ERROR", "ERROR", "ERROR", "ERROR", "CRITICAL", "ERROR", "ERROR"
     ]  # fmt: skip
-    assert "Traceback" in rest[2]["exception"]
+    assert all("Traceback" in rest[i]["exception"] for i in (4, 5))
 
 
 @pytest.mark.usefixtures("restore_logging")
@@ -217,7 +240,11 @@ def test_a_lowered_line_is_hidden_below_its_new_level_and_other_handlers_get_it_
     stream = io.StringIO()
     configure_logging("ERROR", "text", stream)
     logging.getLogger().addHandler(caplog.handler)
-    _logged_with_traceback("kafka.net.transport", "reset", ConnectionResetError(104, "reset"))
+    _logged_with_traceback(
+        "kafka.net.transport",
+        "%s: Error receiving network data closing socket",
+        ConnectionResetError(104, "reset"),
+    )
     logging.getLogger("publisher.loop").error("message x: quarantined")
     (line,) = stream.getvalue().splitlines()
     assert line.endswith("ERROR publisher.loop: message x: quarantined")
@@ -232,6 +259,6 @@ def test_a_client_line_that_cannot_be_formatted_does_not_raise_into_the_client()
     logging.raiseExceptions, before = False, logging.raiseExceptions
     try:
         bad = logging.getLogger("kafka.net.transport")
-        bad.error("%s: %s", "one argument for two")  # a bad call, as a library may make
+        bad.error("%s: Connection lost: %s", "one argument for two")  # as a library may
     finally:
         logging.raiseExceptions = before
