@@ -10,14 +10,15 @@ more), or the services' own Kafka when it has three brokers or more
 (``services/up`` with ``OUTBOX_KAFKA_BROKERS=3``). Otherwise, when the single broker is
 this checkout's ``services/up``, the module starts a cluster of its own with
 a copy of the ``services/`` scripts in a temporary directory (its ports
-``OUTBOX_KAFKA_PORT`` + 200 to + 208, its data apart from the checkout's),
-and stops it at the end.
+``OUTBOX_KAFKA_PORT`` + 200 to + 207, or the first hundred above with all of
+them free; its data apart from the checkout's), and stops it at the end.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -40,8 +41,34 @@ from tests.support import (
     wait_until,
 )
 
-#: How far above the single broker's port the module's own cluster listens.
-CLUSTER_PORT_OFFSET = 200
+#: How far above the single broker's port the module's own cluster may listen, tried
+#: in order: its ports are in Linux's ephemeral range, so a connection of this run may
+#: hold one of them as its local port (services/up then waits for it in vain).
+CLUSTER_PORT_OFFSETS = range(200, 1100, 100)
+#: The ports a cluster of three takes above its first (services/up: node N listens at
+#: +3(N-1), its controller one above).
+CLUSTER_PORTS = (0, 1, 3, 4, 6, 7)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cluster_port(single_port: int) -> int:
+    """The first port of the first offset at which every port of the cluster is free."""
+    for offset in CLUSTER_PORT_OFFSETS:
+        first = single_port + offset
+        if all(_bindable(first + p) for p in CLUSTER_PORTS):
+            return first
+    raise RuntimeError(
+        f"no free ports for a cluster of three {CLUSTER_PORT_OFFSETS.start}-"
+        f"{CLUSTER_PORT_OFFSETS.stop} above {single_port}"
+    )
 
 
 def _own_cluster(tmp: Path, single_bootstrap: str) -> tuple[str, dict[str, str]]:
@@ -52,7 +79,7 @@ def _own_cluster(tmp: Path, single_bootstrap: str) -> tuple[str, dict[str, str]]
     if jars.is_dir():  # the checkout's broker jars: no Maven run
         (tmp / ".services" / "kafka").mkdir(parents=True)
         (tmp / ".services" / "kafka" / "lib").symlink_to(jars)
-    port = int(single_bootstrap.split(",", maxsplit=1)[0].rsplit(":", 1)[1]) + CLUSTER_PORT_OFFSET
+    port = _cluster_port(int(single_bootstrap.split(",", maxsplit=1)[0].rsplit(":", 1)[1]))
     env = {
         k: v
         for k, v in os.environ.items()
