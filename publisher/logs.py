@@ -19,6 +19,8 @@ from collections.abc import Mapping, MutableMapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from publisher.socket_guard import WriteDeadlinePassed
+
 #: Attributes every ``LogRecord`` has; anything else on a record came from ``extra=``.
 _RECORD_ATTRIBUTES = frozenset(logging.makeLogRecord({}).__dict__) | {
     "message",
@@ -157,8 +159,8 @@ def _retried(error: BaseException) -> bool:
     """An error the producer client retries by itself: a network one or one kafka-python
     marks retriable (a connection lost or refused, a request timed out, a leader moved),
     but not a TLS handshake refused; or the publisher's own abort of a request past its
-    batch's write deadline (``publisher.socket_guard.WriteDeadlinePassed``)."""
-    if type(error).__name__ == "WriteDeadlinePassed":
+    batch's write deadline (``WriteDeadlinePassed``)."""
+    if isinstance(error, WriteDeadlinePassed):
         return True
     if _tls_refusal(error):
         return False
@@ -222,15 +224,11 @@ def _as_shown(record: logging.LogRecord, threshold: int) -> logging.LogRecord | 
 
 class _PublisherHandler(logging.StreamHandler[TextIO]):
     """The publisher's one log handler: every line, with the producer libraries' lines
-    about connections they retry lowered (``_as_shown``)."""
-
-    def __init__(self, stream: TextIO, threshold: int) -> None:
-        super().__init__(stream)
-        self._threshold = threshold
+    about connections they retry lowered (``_as_shown``) and held to its level again."""
 
     def handle(self, record: logging.LogRecord) -> bool:
         """Emit the record as ``_as_shown`` has it (nothing when it is not shown)."""
-        shown = _as_shown(record, self._threshold)
+        shown = _as_shown(record, self.level)
         return False if shown is None else bool(super().handle(shown))
 
 
@@ -253,7 +251,8 @@ def configure_logging(
     """
     root = logging.getLogger()
     root.setLevel(level)
-    handler = _PublisherHandler(stream or sys.stderr, root.level)
+    handler = _PublisherHandler(stream or sys.stderr)
+    handler.setLevel(root.level)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
