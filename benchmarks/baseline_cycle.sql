@@ -91,7 +91,7 @@ WITH held AS (
 ), marked AS (
     UPDATE outbox.batches
     SET send_began_at = clock_timestamp(),
-        write_deadline = clock_timestamp() + make_interval(secs => %(longest_send_seconds)s),
+        write_deadline = clock_timestamp() + make_interval(secs => %(write_deadline_seconds)s),
         transactional_id = %(transactional_id)s,
         partition_counts = %(partition_counts)s,
         confirmed_offsets = (

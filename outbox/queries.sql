@@ -304,7 +304,7 @@ WITH held AS (
 ), marked AS (
     UPDATE outbox.batches
     SET send_began_at = clock_timestamp(),
-        write_deadline = clock_timestamp() + make_interval(secs => %(longest_send_seconds)s),
+        write_deadline = clock_timestamp() + make_interval(secs => %(write_deadline_seconds)s),
         transactional_id = %(transactional_id)s,
         partition_counts = %(partition_counts)s,
         confirmed_offsets = (
@@ -519,14 +519,24 @@ WITH expired AS (
     FROM expired AS e
     LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
 ), members AS (
+    -- Each message once, by the batch whose evidence says the most: one that
+    -- began sending (its record may be in Kafka), the latest write deadline
+    -- first.
     -- again: the message's previous attempt was ended by a recovery too.
-    SELECT u.id, d.id AS batch_id,
+    SELECT DISTINCT ON (u.id) u.id, d.id AS batch_id,
            EXISTS (SELECT 1
                    FROM outbox.messages AS p
                    JOIN outbox.attempts AS a ON a.message_id = p.id AND a.attempt = p.attempts
                    WHERE p.id = u.id AND a.outcome = 'recovered') AS again
     FROM decided AS d
     CROSS JOIN LATERAL unnest(d.message_ids) AS u(id)
+    ORDER BY u.id, d.send_began_at IS NULL, d.write_deadline DESC NULLS LAST, d.id
+), other_open AS MATERIALIZED (
+    -- Messages an open batch names, with that batch (as of this statement's
+    -- snapshot: the batches this pass closes are still open here).
+    SELECT unnest(b.message_ids) AS id, b.id AS batch_id
+    FROM outbox.batches AS b
+    WHERE b.settled_at IS NULL
 ), moved AS (
     -- SET reads the row as the claim left it (it writes none): send_alone
     -- says whether the message was claimed as a suspect.
@@ -556,6 +566,15 @@ WITH expired AS (
     -- Looked up by key, whatever the statistics say (see settle_batch).
     WHERE m.id = ANY((SELECT array_agg(id) FROM members)::uuid[])
       AND m.id = j.id AND m.state COLLATE "C" = 'pending'
+      -- A batch that never began sending sent nothing: its message is left as
+      -- it is when another open batch names it too (a claim made on a stale
+      -- snapshot, see mark_sending). That batch may be sending it now, and
+      -- moving the fence would refuse its settle and put the message back to
+      -- be sent again. One that began sending may have sent it: uncertain,
+      -- whoever else names it.
+      AND (d.next_state = 'uncertain'
+           OR NOT EXISTS (SELECT 1 FROM other_open AS o
+                          WHERE o.id = m.id AND o.batch_id <> d.id))
     RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
               d.publisher_id, d.claimed_at, d.send_began_at, m.last_error AS reason
 ), recorded AS (

@@ -322,7 +322,7 @@ class PublisherStore:
         self,
         batch: Batch,
         partition_counts: Mapping[str, int],
-        longest_send_seconds: float,
+        write_deadline_seconds: float,
         transactional_id: str | None = None,
     ) -> set[uuid.UUID]:
         """Record, before anything is sent, that the batch begins sending.
@@ -340,7 +340,7 @@ class PublisherStore:
                 {
                     "batch_id": batch.id,
                     "owner": self.publisher_id,
-                    "longest_send_seconds": float(longest_send_seconds),
+                    "write_deadline_seconds": float(write_deadline_seconds),
                     "transactional_id": transactional_id,
                     "partition_counts": Jsonb(dict(partition_counts)),
                     "topics": sorted(partition_counts),

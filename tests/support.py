@@ -524,16 +524,16 @@ def start_broker_again(bootstrap: str) -> None:
 
 
 def make_uncertain(
-    database_url: str, *, partitions: int = 3, longest_send_seconds: float = 0.0
+    database_url: str, *, partitions: int = 3, write_deadline_seconds: float = 0.0
 ) -> dict[uuid.UUID, int]:
     """Claim every pending message and settle it ``uncertain`` after sending began.
 
     This is what a publisher records when its send timed out: the batch was
     marked as sending (with its confirmed-offset snapshot and a write deadline
-    ``longest_send_seconds`` away), then every message was settled uncertain
+    ``write_deadline_seconds`` away), then every message was settled uncertain
     with the partition chosen for it. Returns each message's id and partition.
     """
-    return _make_uncertain(database_url, partitions, longest_send_seconds, None)
+    return _make_uncertain(database_url, partitions, write_deadline_seconds, None)
 
 
 def make_uncertain_in_transaction(
@@ -541,17 +541,17 @@ def make_uncertain_in_transaction(
     transactional_id: str,
     *,
     partitions: int = 3,
-    longest_send_seconds: float = 0.0,
+    write_deadline_seconds: float = 0.0,
 ) -> dict[uuid.UUID, int]:
     """``make_uncertain``, as a transactional publisher records it: the batch was sent
     under ``transactional_id`` and its transaction's end is unknown."""
-    return _make_uncertain(database_url, partitions, longest_send_seconds, transactional_id)
+    return _make_uncertain(database_url, partitions, write_deadline_seconds, transactional_id)
 
 
 def _make_uncertain(
     database_url: str,
     partitions: int,
-    longest_send_seconds: float,
+    write_deadline_seconds: float,
     transactional_id: str | None,
 ) -> dict[uuid.UUID, int]:
     store = claiming_store(database_url)
@@ -562,7 +562,7 @@ def _make_uncertain(
         held = store.mark_sending(
             batch,
             counts,
-            longest_send_seconds=longest_send_seconds,
+            write_deadline_seconds=write_deadline_seconds,
             transactional_id=transactional_id,
         )
         assert held == {m.id for m in batch.messages}

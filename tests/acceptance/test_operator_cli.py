@@ -68,7 +68,7 @@ def scene(database_url: str, kafka_bootstrap: str, topic: str) -> Scene:
 
     uncertain = _enqueue(database_url, topic, "u")
     # Sent, then the broker went silent; its producer may write for an hour.
-    make_uncertain(database_url, longest_send_seconds=3600)
+    make_uncertain(database_url, write_deadline_seconds=3600)
 
     retrying = _enqueue(database_url, topic, "r")
     in_flight = _enqueue(database_url, topic, "f")

@@ -91,11 +91,11 @@ def test_metrics_match_the_database_and_count_what_the_publisher_did(
     with psycopg.connect(database_url) as conn:
         stays_uncertain = outbox.enqueue(conn, topic, b"unknown", key="u1")
     # Its producer could write for another hour: the reconciler must not decide it yet.
-    make_uncertain(database_url, longest_send_seconds=3_600)
+    make_uncertain(database_url, write_deadline_seconds=3_600)
     with psycopg.connect(database_url) as conn:
         reconciled = outbox.enqueue(conn, topic, b"absent", key="u2")
     # Due at once and not in Kafka: reconciled to pending, then delivered.
-    make_uncertain(database_url, longest_send_seconds=0)
+    make_uncertain(database_url, write_deadline_seconds=0)
     with psycopg.connect(database_url) as conn:
         fine = outbox.enqueue_many(
             conn, [outbox.Message(topic, f"m{i}", key=f"k{i}") for i in range(5)]

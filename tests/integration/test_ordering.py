@@ -341,7 +341,7 @@ def test_held_keys_name_an_uncertain_holders_next_action_in_the_status_views_ord
     topic = f"held-{uuid.uuid4().hex[:8]}"
     with psycopg.connect(database_url) as conn:
         [holder] = outbox.enqueue_many(conn, [outbox.Message(topic, b"u1", key="u")])
-    make_uncertain(database_url, longest_send_seconds=3600)
+    make_uncertain(database_url, write_deadline_seconds=3600)
     with psycopg.connect(database_url) as conn:
         outbox.enqueue(conn, topic, b"u2", key="u")
 

@@ -76,18 +76,18 @@ class Sent:
         return reads_committed(self.delivery)
 
     def make_uncertain(
-        self, database_url: str, *, partitions: int = 3, longest_send_seconds: float = 0.0
+        self, database_url: str, *, partitions: int = 3, write_deadline_seconds: float = 0.0
     ) -> dict[uuid.UUID, int]:
         """Every pending message sent in a batch of this mode and settled uncertain."""
         if self.transactional_id is None:
             return make_uncertain(
-                database_url, partitions=partitions, longest_send_seconds=longest_send_seconds
+                database_url, partitions=partitions, write_deadline_seconds=write_deadline_seconds
             )
         return make_uncertain_in_transaction(
             database_url,
             self.transactional_id,
             partitions=partitions,
-            longest_send_seconds=longest_send_seconds,
+            write_deadline_seconds=write_deadline_seconds,
         )
 
     def write(
@@ -303,7 +303,7 @@ def test_message_before_its_write_deadline_is_not_decided(
 ) -> None:
     """An uncertain message whose producer may still write is left undecided."""
     message_id = _enqueue(database_url, topic)
-    partition = make_uncertain(database_url, longest_send_seconds=300)[message_id]
+    partition = make_uncertain(database_url, write_deadline_seconds=300)[message_id]
     send_record(kafka_bootstrap, topic, partition, message_id)
 
     report = reconciler.run_once()
@@ -521,7 +521,7 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
     try:
         batch = store.claim(10, lease_seconds=30)
         assert batch is not None
-        store.mark_sending(batch, {topic: 3}, longest_send_seconds=0.0)
+        store.mark_sending(batch, {topic: 3}, write_deadline_seconds=0.0)
         offset = send_record(kafka_bootstrap, topic, partition, second, key=b"K")
         fences = {m.id: m.fence for m in batch.messages}
         other_partition = partition_for(b"other", other, 3)
@@ -602,12 +602,12 @@ def test_a_transactional_message_is_decided_at_once_after_the_fence(
     with psycopg.connect(database_url) as conn:
         committed = outbox.enqueue(conn, topic, b"v", key="c")
     first = f"outbox-{uuid.uuid4()}-1"
-    partitions = make_uncertain_in_transaction(database_url, first, longest_send_seconds=300)
+    partitions = make_uncertain_in_transaction(database_url, first, write_deadline_seconds=300)
     at = send_committed(kafka_bootstrap, first, topic, partitions[committed], committed, key=b"c")
     with psycopg.connect(database_url) as conn:
         left_open = outbox.enqueue(conn, topic, b"v", key="o")
     second = f"outbox-{uuid.uuid4()}-2"
-    partitions |= make_uncertain_in_transaction(database_url, second, longest_send_seconds=300)
+    partitions |= make_uncertain_in_transaction(database_url, second, write_deadline_seconds=300)
     zombie = TransactionalSession(kafka_bootstrap, second)
     try:
         zombie.send(topic, partitions[left_open], left_open, key=b"o")
@@ -848,7 +848,7 @@ def test_a_message_reclaimed_after_its_topic_grew_is_looked_for_where_it_was_sen
         assert [m.id for m in batch.messages] == [message_id]
         assert _message(database_url, message_id)[:3] == ("in_flight", None, None)
         held = store.mark_sending(
-            batch, {topic: 3}, longest_send_seconds=0.0, transactional_id=sent.transactional_id
+            batch, {topic: 3}, write_deadline_seconds=0.0, transactional_id=sent.transactional_id
         )
         assert held == {message_id}
         offset = sent.write(topic, moved, message_id, key=key)

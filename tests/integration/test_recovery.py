@@ -99,7 +99,7 @@ def test_expired_lease_of_a_batch_that_began_sending_becomes_uncertain_with_evid
     store.register("test", os.getpid(), 30)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
-    assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=60) == {message_id}
+    assert store.mark_sending(batch, {"t": 3}, write_deadline_seconds=60) == {message_id}
     _expire(database_url, message_id)
     [(lease_expiry, heartbeat)] = fetch_rows(
         database_url,
@@ -139,7 +139,7 @@ def test_live_lease_of_a_slow_publisher_is_left_alone(database_url: str) -> None
     store.register("test", os.getpid(), 30)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
-    assert store.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == {message_id}
+    assert store.mark_sending(batch, {"t": 3}, write_deadline_seconds=0.0) == {message_id}
     with psycopg.connect(database_url) as conn:
         conn.execute("UPDATE outbox.publishers SET heartbeat_at = now() - interval '1 hour'")
     before = _everything(database_url)
@@ -167,7 +167,7 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
     ]
     before = _everything(database_url)
 
-    assert old.mark_sending(batch, {"t": 3}, longest_send_seconds=0.0) == set()
+    assert old.mark_sending(batch, {"t": 3}, write_deadline_seconds=0.0) == set()
     assert fetch_rows(
         database_url,
         "SELECT send_began_at, write_deadline FROM outbox.batches WHERE id = %s",
@@ -183,6 +183,82 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
     assert fetch_rows(database_url, "SELECT count(*) FROM outbox.partition_offsets") == [(0,)]
     old.close()
     recovery.close()
+
+
+def _stale_claim(database_url: str, owner: uuid.UUID, message_id: uuid.UUID) -> int:
+    """A batch naming a message another open batch names too, its lease expired and
+    sending never begun: what a claim made on a snapshot from before the other claim
+    leaves behind when its publisher dies before its mark (see mark_sending)."""
+    [(batch_id,)] = fetch_rows(
+        database_url,
+        "INSERT INTO outbox.batches (publisher_id, lease_expires_at, message_ids) "
+        "VALUES (%s, now() - interval '1 second', ARRAY[%s::uuid]) RETURNING id",
+        owner,
+        message_id,
+    )
+    return int(batch_id)
+
+
+def test_a_stale_claim_recovered_leaves_the_message_another_batch_is_sending(
+    database_url: str,
+) -> None:
+    """A batch that never began sending sent nothing. If another, live, batch names its
+    message and is sending it, recovery leaves the message alone: moving its fence
+    would refuse that batch's settle and send the message a second time."""
+    [message_id] = _enqueue(database_url)
+    sender = claiming_store(database_url)
+    sender.register("test", os.getpid(), 30)
+    batch = sender.claim(10, lease_seconds=30)
+    assert batch is not None
+    assert sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=60) == {message_id}
+    stale = claiming_store(database_url)
+    stale.register("test", os.getpid(), 30)
+    stale_batch = _stale_claim(database_url, stale.publisher_id, message_id)
+
+    recovery = claiming_store(database_url)
+    assert recovery.recover_expired_leases() == []
+    assert fetch_rows(
+        database_url, "SELECT settled_at IS NOT NULL FROM outbox.batches WHERE id = %s", stale_batch
+    ) == [(True,)]
+    assert fetch_rows(database_url, "SELECT attempts, fence FROM outbox.messages") == [(0, 0)]
+
+    [message] = batch.messages
+    delivered = Settlement(
+        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
+    )
+    assert sender.settle(batch, [delivered]) == {message_id}
+    assert fetch_rows(
+        database_url, "SELECT state, fence, kafka_offset FROM outbox.message_status"
+    ) == [("delivered", 1, 7)]
+    for store in (sender, stale, recovery):
+        store.close()
+
+
+def test_a_message_two_expired_batches_name_is_uncertain_if_either_began_sending(
+    database_url: str,
+) -> None:
+    """Recovered in one pass, a message named by a batch that began sending and by one
+    that did not goes by the first's evidence: uncertain, never back to pending."""
+    [message_id] = _enqueue(database_url)
+    sender = claiming_store(database_url)
+    sender.register("test", os.getpid(), 30)
+    batch = sender.claim(10, lease_seconds=30)
+    assert batch is not None
+    assert sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=0.0) == {message_id}
+    stale = claiming_store(database_url)
+    stale.register("test", os.getpid(), 30)
+    _stale_claim(database_url, stale.publisher_id, message_id)
+    _expire(database_url, message_id)
+
+    recovery = claiming_store(database_url)
+    assert recovery.recover_expired_leases() == [
+        Recovered(message_id, State.UNCERTAIN, 1, 1, batch.id, sender.publisher_id)
+    ]
+    assert fetch_rows(
+        database_url, "SELECT count(*) FROM outbox.batches WHERE settled_at IS NULL"
+    ) == [(0,)]
+    for store in (sender, stale, recovery):
+        store.close()
 
 
 def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None:
@@ -278,7 +354,7 @@ def test_uncertain_message_is_work_until_escalated(database_url: str) -> None:
     store = claiming_store(database_url)
     batch = store.claim(10, lease_seconds=30)
     assert batch is not None
-    store.mark_sending(batch, {"t": 3}, longest_send_seconds=50)
+    store.mark_sending(batch, {"t": 3}, write_deadline_seconds=50)
     [m] = batch.messages
     uncertain = Settlement(
         m.id, m.fence, State.UNCERTAIN, AttemptOutcome.UNCERTAIN, partition=0, error="E"

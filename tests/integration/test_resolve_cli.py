@@ -633,7 +633,7 @@ def test_resolve_pending_before_the_write_deadline_is_refused_unless_forced(
     """--pending on an uncertain message whose producer may still write it exits 2 and names
     the deadline; --force-before-deadline decides anyway and records that it was forced."""
     message_id = _enqueue(database_url)
-    make_uncertain(database_url, longest_send_seconds=600)
+    make_uncertain(database_url, write_deadline_seconds=600)
     [(deadline,)] = fetch_rows(
         database_url,
         "SELECT b.write_deadline FROM outbox.messages AS m "
@@ -691,7 +691,7 @@ def test_discarding_an_uncertain_message_before_the_write_deadline_is_refused_un
     the key could be sent first and the discarded one land after it. Refused (exit 2, naming
     the deadline); resolve --discard --force-before-deadline decides anyway."""
     message_id = _enqueue(database_url)
-    make_uncertain(database_url, longest_send_seconds=600)
+    make_uncertain(database_url, write_deadline_seconds=600)
     fence = _fence(database_url, message_id)
     before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
 
@@ -741,7 +741,7 @@ def test_resolve_pending_of_an_unfenced_transaction_names_the_reconciler(
 def test_resolve_delivered_before_the_write_deadline_applies(database_url: str) -> None:
     """--delivered sends nothing, so the write deadline does not hold it back."""
     message_id = _enqueue(database_url)
-    make_uncertain(database_url, longest_send_seconds=600)
+    make_uncertain(database_url, write_deadline_seconds=600)
     fence = _fence(database_url, message_id)
     result = _outbox(
         "resolve",

@@ -84,7 +84,7 @@ def test_purge_deletes_only_old_delivered_messages_then_their_evidence(
     totals = publish_until_idle(database_url, kafka_bootstrap)
     assert (totals.delivered, totals.quarantined) == (35, 0)
     [uncertain] = _enqueue(database_url, monkeypatch, [outbox.Message(topic, b"u")], days_ago=10)
-    make_uncertain(database_url, longest_send_seconds=3600)
+    make_uncertain(database_url, write_deadline_seconds=3600)
     stuck = old[-1]  # enqueued ten days ago like the others, but delivered just now
     with psycopg.connect(database_url) as conn:
         # Ten days pass: every delivery, attempt and claim is that old now.

@@ -132,7 +132,7 @@ def test_recovery_and_settles_look_messages_up_by_key(
                 {
                     "batch_id": batch.id,
                     "owner": store.publisher_id,
-                    "longest_send_seconds": 30.0,
+                    "write_deadline_seconds": 30.0,
                     "transactional_id": None,
                     "partition_counts": Jsonb({"t": 1}),
                     "topics": ["t"],

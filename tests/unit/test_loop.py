@@ -117,7 +117,7 @@ class FakeStore(PublisherStore):
         self,
         batch: Batch,
         partition_counts: Mapping[str, int],
-        longest_send_seconds: float,
+        write_deadline_seconds: float,
         transactional_id: str | None = None,
     ) -> set[uuid.UUID]:
         """Record the mark; every message is still held except those declared lost.
@@ -127,7 +127,7 @@ class FakeStore(PublisherStore):
         if error is not None:
             raise error
         self.transactional_ids.append(transactional_id)
-        self.write_deadlines.append(longest_send_seconds)
+        self.write_deadlines.append(write_deadline_seconds)
         return {m.id for m in batch.messages} - self.lost_before_sending
 
     def recover_expired_leases(self, limit: int = 1000) -> list[Recovered]:
