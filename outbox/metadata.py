@@ -116,6 +116,8 @@ messages = sa.Table(
         "state IN ('pending', 'in_flight', 'delivered', 'uncertain', 'quarantined', 'discarded')",
         name="messages_state_known",
     ),
+    # In flight is derived from the open batches, never stored (0019).
+    sa.CheckConstraint("state <> 'in_flight'", name="messages_in_flight_derived"),
     sa.CheckConstraint(
         "cardinality(header_names) = cardinality(header_values)",
         name="messages_headers_paired",

@@ -136,6 +136,51 @@ def test_0007_carries_messages_in_flight_into_their_batches(empty_database_url: 
     assert legacy_attempts == [(ids[1], "abandoned", True)]
 
 
+def test_0019_makes_a_row_set_in_flight_by_hand_uncertain_and_refuses_the_value(
+    empty_database_url: str,
+) -> None:
+    """A row whose own state says in_flight is named by no batch, so recovery never moves
+    it: 0019 makes it uncertain, counting the attempt as recovery does and clearing its
+    old batch (not this attempt's evidence); from then on the value is refused."""
+    url = empty_database_url
+    migrate(url, target=18)
+    with psycopg.connect(url) as conn:
+        set_by_hand, untouched = outbox.enqueue_many(
+            conn, [outbox.Message("t", b"1", key="k"), outbox.Message("t", b"2", key="k")]
+        )
+        [(batch,)] = conn.execute(
+            "INSERT INTO outbox.batches (publisher_id, settled_at) "
+            "VALUES (gen_random_uuid(), now()) RETURNING id"
+        )
+        conn.execute(
+            "UPDATE outbox.messages SET state = 'in_flight', batch_id = %s, fence = 2, "
+            "attempts = 2 WHERE id = %s",
+            (batch, set_by_hand),
+        )
+
+    assert [m.version for m in migrate(url)] == [19, 20]
+
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT id, state, fence, attempts, batch_id, available_at <= now(), last_error "
+            "FROM outbox.message_status ORDER BY seq"
+        ).fetchall()
+        attempts = conn.execute(
+            "SELECT message_id, attempt, fence, outcome, send_began, error FROM outbox.attempts"
+        ).fetchall()
+        with pytest.raises(psycopg.errors.CheckViolation, match="messages_in_flight_derived"):
+            conn.execute(
+                "UPDATE outbox.messages SET state = 'in_flight' WHERE id = %s", (untouched,)
+            )
+    note = rows[0][6]
+    assert "no batch named it" in note
+    assert rows == [
+        (set_by_hand, "uncertain", 3, 3, None, True, note),
+        (untouched, "pending", 0, 0, None, True, None),
+    ]
+    assert attempts == [(set_by_hand, 3, 3, "recovered", True, note)]
+
+
 def test_a_migration_blocked_by_a_long_transaction_gives_up_and_lets_enqueues_through(
     empty_database_url: str,
 ) -> None:
