@@ -150,6 +150,8 @@ class Publisher:
         self.totals = Totals()
         #: Set when ``run`` ended because nothing was left to deliver (``exit_when_idle``).
         self.ended_idle = False
+        #: Set once the publisher registered (the database answered) and began to claim.
+        self.started = False
         self._version = version
         self._pid = pid
         self._clock = clock
@@ -282,6 +284,7 @@ class Publisher:
                     return False
         self.health.database.succeeded()
         self.health.registered = True
+        self.started = True
         self.waker.start()
         self.health.threads.append(self.waker)
         if self.heartbeat is not None:

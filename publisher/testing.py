@@ -23,9 +23,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import psycopg
+
 from outbox.errors import OutboxError
+from outbox.status import StatusLine, read_status
 from publisher.app import build_publisher
 from publisher.config import PublisherConfig, config_from_values
+from publisher.connector import connect
 from publisher.loop import Publisher, Totals
 
 __all__ = ["PublishTimeout", "config_for_tests", "publish_until_idle"]
@@ -89,21 +93,42 @@ def publish_until_idle(
     if not publisher.ended_idle:
         raise PublishTimeout(
             f"publish_until_idle: the publisher was not idle after {timeout or 0:g} s "
-            f"({_why(publisher)}; {totals.delivered} delivered, {totals.retried} retried); "
-            "its log says more",
+            f"({_why(publisher, database_url)}; {totals.delivered} delivered, "
+            f"{totals.retried} retried); its log says more",
             totals,
         )
     return totals
 
 
-def _why(publisher: Publisher) -> str:
-    """What kept the publisher from going idle, as far as its health knows."""
+def _why(publisher: Publisher, database_url: str) -> str:
+    """What kept the publisher from going idle: a dependency it could not reach, or
+    the messages still open, by state, with the status view's next action."""
     health = publisher.health
     for contact in (health.database, health.kafka):
         problem = contact.problem()
         if problem is not None and contact.ok is False:
             kind = f" ({contact.error_type})" if contact.error_type else ""
             return f"{contact.name} unavailable{kind}"
-    if not health.registered:
+    if not publisher.started:
         return "the database never answered"
-    return "messages were still left to deliver"
+    try:
+        with connect(database_url, connect_timeout=5) as conn:
+            lines = read_status(conn)
+    except psycopg.Error:
+        return "messages were still left to deliver"
+    return _left(lines)
+
+
+#: The states that keep a publisher from going idle, the likeliest cause first.
+_UNFINISHED = ("uncertain", "in_flight", "pending")
+
+
+def _left(lines: list[StatusLine]) -> str:
+    """The messages still to deliver, by state, and the status view's next action for
+    the first of them (uncertain ones wait for their write deadline and grace)."""
+    overall = {line.state: line for line in lines if line.topic is None and line.messages > 0}
+    left = [overall[state] for state in _UNFINISHED if state in overall]
+    if not left:
+        return "messages were still left to deliver"
+    counts = ", ".join(f"{line.messages} {line.state}" for line in left)
+    return f"left: {counts}; outbox.status says for {left[0].state}: {left[0].next_action}"

@@ -27,7 +27,7 @@ from outbox.redaction import DatabaseURLError
 from outbox.testing import EnqueueRecorder
 from publisher.config import ConfigError
 from publisher.testing import PublishTimeout, publish_until_idle
-from tests.support import assert_excerpt_of_file, fetch_rows, read_topic
+from tests.support import assert_excerpt_of_file, fetch_rows, make_uncertain, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -169,6 +169,25 @@ def test_publish_until_idle_stops_and_says_why_when_it_cannot_finish(
     with pytest.raises(PublishTimeout, match=r"database unavailable") as stopped:
         publish_until_idle(nowhere, "127.0.0.1:1", timeout=2)
     assert stopped.value.totals.delivered == 0
+
+
+def test_publish_until_idle_says_which_messages_it_left_and_why(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Both dependencies answer, yet a message stays: uncertain, it waits for its write
+    deadline before the reconciler may decide it. PublishTimeout says so, with the
+    status view's next action, rather than blaming the database."""
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, topic, b"x", key="k")
+    make_uncertain(database_url, write_deadline_seconds=600)
+
+    with pytest.raises(PublishTimeout) as stopped:
+        publish_until_idle(database_url, kafka_bootstrap, timeout=3)
+    text = str(stopped.value)
+    assert "left: 1 uncertain; outbox.status says for uncertain: " in text, text
+    assert "never answered" not in text
+    assert stopped.value.totals.delivered == 0
+    assert fetch_rows(database_url, "SELECT state FROM outbox.message_status") == [("uncertain",)]
 
 
 def test_publish_until_idle_names_every_bad_setting_before_it_starts(
