@@ -569,12 +569,12 @@ def _main(argv: Sequence[str] | None) -> int:
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not args.database_url:
-        parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
+        args.command_parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
     if args.command == "migrate" and not args.create_roles:
         named = [f"--{p}-role" for p in RoleNames().by_purpose() if getattr(args, f"{p}_role")]
         if named:
             verb = "goes" if len(named) == 1 else "go"
-            parser.error(
+            args.command_parser.error(
                 f"{', '.join(named)} {verb} only with --create-roles: nothing else reads it"
             )
     url = args.database_url

@@ -157,6 +157,11 @@ def test_the_library_alone_installs_migrates_and_enqueues_without_kafka(
     assert moved.returncode == 2
     assert "outbox-publisher reconcile" in moved.stderr
     assert "pg-kafka-outbox[publisher]" in moved.stderr
-    sidecar = venv.run("outbox-publisher", "--help")
-    assert sidecar.returncode != 0
-    assert "pip install 'pg-kafka-outbox[publisher]'" in sidecar.stderr
+    for args in (["--help"], ["reconcile", "--database-url", empty_database_url]):
+        sidecar = venv.run("outbox-publisher", *args)
+        # One line, no traceback, and not reconcile's 1 ("some left uncertain").
+        assert sidecar.returncode == 2, sidecar.stderr
+        assert sidecar.stderr.splitlines() == [
+            "outbox-publisher: the outbox publisher needs kafka, prometheus_client: "
+            "pip install 'pg-kafka-outbox[publisher]'"
+        ]

@@ -83,6 +83,22 @@ def test_the_database_url_may_follow_the_command(database_url: str) -> None:
         assert json.loads(result.stdout)["counts"]["pending"] == 1
 
 
+def test_no_database_is_a_usage_error_of_the_command() -> None:
+    """No --database-url and no OUTBOX_DATABASE_URL: exit 2 with the command's usage
+    line (not the top one) and what to pass."""
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox.cli", "list", "--state", "pending"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "OUTBOX_DATABASE_URL"},
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: outbox list "), result.stderr
+    assert "no database: pass --database-url or set OUTBOX_DATABASE_URL" in result.stderr
+
+
 def test_status_on_healthy_database_exits_zero(database_url: str) -> None:
     """With nothing needing action, status exits 0."""
     result = _outbox("status", "--json", url=database_url)

@@ -416,5 +416,6 @@ def test_a_role_name_without_create_roles_is_refused(empty_database_url: str) ->
     result = run_outbox_cli(empty_database_url, "migrate", "--writer-role", "orders_writer")
     assert result.returncode == 2
     assert "--writer-role goes only with --create-roles" in result.stderr
+    assert result.stderr.startswith("usage: outbox migrate "), result.stderr  # the command's
     with psycopg.connect(empty_database_url) as conn:
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
