@@ -1254,21 +1254,32 @@ SET jit = off
 -- through its own partial index (in flight: from the open batches), so the
 -- cost follows the open messages, not the delivered ones kept for retention
 -- (outbox.status reads them the same way, and estimates the delivered ones).
+-- With each, how many of them are stuck, as outbox.status counts them: in
+-- flight under an expired lease (no publisher recovers them), uncertain and
+-- escalated (an operator decides), uncertain and overdue (undecided five
+-- minutes after they became decidable: reconciliation is off or cannot
+-- reach Kafka; outbox.status's overdue, and outbox.inspection.OVERDUE_AFTER).
 SELECT topic, 'pending' AS state, count(*),
-       extract(epoch FROM now() - min(created_at))::float8
+       extract(epoch FROM now() - min(created_at))::float8, 0, 0, 0
 FROM outbox.messages
 WHERE state = 'pending' AND id NOT IN (SELECT message_id FROM outbox.in_flight)
 GROUP BY topic
 UNION ALL
-SELECT m.topic, 'in_flight', count(*), extract(epoch FROM now() - min(m.created_at))::float8
+SELECT m.topic, 'in_flight', count(*), extract(epoch FROM now() - min(m.created_at))::float8,
+       0, 0, count(*) FILTER (WHERE f.lease_expires_at < now())
 FROM outbox.in_flight AS f
 JOIN outbox.messages AS m ON m.id = f.message_id AND m.state = 'pending'
 GROUP BY m.topic
 UNION ALL
-SELECT topic, 'uncertain', count(*), extract(epoch FROM now() - min(created_at))::float8
+SELECT topic, 'uncertain', count(*), extract(epoch FROM now() - min(created_at))::float8,
+       count(*) FILTER (WHERE escalated_at IS NOT NULL),
+       count(*) FILTER (WHERE escalated_at IS NULL
+                          AND available_at < now() - interval '5 minutes'),
+       0
 FROM outbox.messages WHERE state = 'uncertain' GROUP BY topic
 UNION ALL
-SELECT topic, 'quarantined', count(*), extract(epoch FROM now() - min(created_at))::float8
+SELECT topic, 'quarantined', count(*), extract(epoch FROM now() - min(created_at))::float8,
+       0, 0, 0
 FROM outbox.messages WHERE state = 'quarantined' GROUP BY topic
 
 -- name: message

@@ -66,12 +66,19 @@ def read_status(conn: psycopg.Connection[Any]) -> list[StatusLine]:
 
 @dataclass(frozen=True, slots=True)
 class OpenCount:
-    """How many messages of one topic are in one open state, and the oldest one's age."""
+    """How many messages of one topic are in one open state, the oldest one's age, and
+    how many of them are stuck (as ``outbox.status`` counts them)."""
 
     topic: str
     state: str
     messages: int
     oldest_age_seconds: float | None
+    #: Uncertain ones an operator must decide (the reconciler could not).
+    escalated: int = 0
+    #: Uncertain ones still undecided 5 minutes after they became decidable.
+    overdue: int = 0
+    #: In-flight ones whose lease expired: recovery has not moved them yet.
+    leases_expired: int = 0
 
 
 def read_open_status(conn: psycopg.Connection[Any]) -> list[OpenCount]:

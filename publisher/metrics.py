@@ -70,6 +70,29 @@ class StatusRow(Protocol):
         """Age of the oldest of them, by its commit time; ``None`` if there is none."""
         ...
 
+    @property
+    def escalated(self) -> int:
+        """Uncertain ones the reconciler could not decide: an operator must."""
+        ...
+
+    @property
+    def overdue(self) -> int:
+        """Uncertain ones undecided 5 minutes after they became decidable."""
+        ...
+
+    @property
+    def leases_expired(self) -> int:
+        """In-flight ones under an expired lease, not recovered yet."""
+        ...
+
+
+#: The reasons of ``outbox_messages_stuck``, and the field of a status row each is.
+STUCK_REASONS = {
+    "escalated": "escalated",
+    "overdue": "overdue",
+    "lease_expired": "leases_expired",
+}
+
 
 StatusRead = Callable[[], Sequence[StatusRow]]
 
@@ -240,6 +263,7 @@ class StatusCollector(Collector):
             GaugeMetricFamily("outbox_database_up", ""),
             GaugeMetricFamily("outbox_messages", "", labels=["topic", "state"]),
             GaugeMetricFamily("outbox_oldest_pending_age_seconds", "", labels=["topic"]),
+            GaugeMetricFamily("outbox_messages_stuck", "", labels=["topic", "reason"]),
         ]
 
     def rows(self) -> Sequence[StatusRow] | None:
@@ -282,11 +306,15 @@ class StatusCollector(Collector):
             return
         counts: dict[str, dict[str, int]] = {}
         oldest: dict[str, float] = {}
+        stuck: dict[str, dict[str, int]] = {}
         for row in rows:
             if row.topic is None or row.state not in OPEN_STATES:
                 continue  # all-topics lines (sum gives them) and finished states
             states = counts.setdefault(row.topic, {s.value: 0 for s in OPEN_STATES})
             states[row.state] = states.get(row.state, 0) + int(row.messages)
+            reasons = stuck.setdefault(row.topic, dict.fromkeys(STUCK_REASONS, 0))
+            for reason, field in STUCK_REASONS.items():
+                reasons[reason] += int(getattr(row, field))
             if row.state == State.PENDING.value and row.oldest_age_seconds is not None:
                 oldest[row.topic] = max(oldest.get(row.topic, 0.0), float(row.oldest_age_seconds))
         messages = GaugeMetricFamily(
@@ -301,12 +329,22 @@ class StatusCollector(Collector):
             "Age of the oldest pending message of the topic, by the database's clock (0: none).",
             labels=["topic"],
         )
+        stuck_gauge = GaugeMetricFamily(
+            "outbox_messages_stuck",
+            "Open messages that will not move on by themselves, by topic and reason: "
+            "escalated (uncertain, an operator decides), overdue (uncertain, undecided 5 "
+            "minutes after it became decidable), lease_expired (in flight, not recovered yet).",
+            labels=["topic", "reason"],
+        )
         for topic in sorted(counts):
             for state, n in counts[topic].items():
                 messages.add_metric([topic, state], n)
             age.add_metric([topic], oldest.get(topic, 0.0))
+            for reason, n in stuck[topic].items():
+                stuck_gauge.add_metric([topic, reason], n)
         yield messages
         yield age
+        yield stuck_gauge
 
 
 class HealthCollector(Collector):

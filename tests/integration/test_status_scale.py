@@ -30,7 +30,8 @@ import outbox
 import outbox.ids
 from outbox.operator import Resolution, discard, resolve
 from outbox.retention import purge
-from outbox.states import State
+from outbox.states import OPEN_STATES, State
+from outbox.status import read_open_status
 from publisher.outcomes import AttemptOutcome
 from publisher.store import Decision, Settlement
 from tests.support import ClaimingStore, claiming_store, wait_until
@@ -85,6 +86,16 @@ def _agree(url: str) -> list[tuple[Any, ...]]:
         conn.commit()
         reference = _lines(conn, "pg_temp.status_0008")
         assert _lines(conn, "outbox.status") == reference
+        # The metrics' read: the open states per topic, and the stuck among them
+        # (leases expired, escalated, overdue), as the status counts them.
+        assert {
+            (c.topic, c.state): (c.messages, c.leases_expired, c.escalated, c.overdue)
+            for c in read_open_status(conn)
+        } == {
+            (topic, state): (line[2], line[11], line[12], line[13])
+            for (topic, state), line in reference.items()
+            if topic is not None and state in {s.value for s in OPEN_STATES} and line[2] > 0
+        }
         exact = conn.execute("SELECT bool_and(exact) FROM outbox.status").fetchone()
         assert exact == (True,)
         assert conn.execute(held.format("outbox.held_keys")).fetchall() == (
@@ -218,6 +229,16 @@ def test_status_agrees_with_a_full_count_through_every_transition(
         assert store.recover_expired_leases()
         lines = _agree(url)
         assert _line(lines, "in_flight")[2] == 0
+
+        # Decidable for ten minutes, and still undecided: overdue.
+        with psycopg.connect(url) as conn:
+            conn.execute(
+                "UPDATE outbox.messages SET available_at = now() - interval '10 minutes' "
+                "WHERE id = %s",
+                (third.id,),
+            )
+        lines = _agree(url)
+        assert _line(lines, "uncertain")[13] == 1
 
         # The reconciler gives up on the uncertain one: escalated.
         escalated = store.decide(

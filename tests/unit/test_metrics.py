@@ -26,6 +26,9 @@ class Line:
     state: str
     messages: int
     oldest_age_seconds: float | None = None
+    escalated: int = 0
+    overdue: int = 0
+    leases_expired: int = 0
 
 
 class FakeReader:
@@ -94,6 +97,35 @@ def test_status_gauges_come_from_the_reader_per_topic_and_state() -> None:
     assert len(counts) == 2 * len(OPEN_STATES)
     assert samples[("outbox_oldest_pending_age_seconds", (("topic", "orders"),))] == 30.0
     assert samples[("outbox_oldest_pending_age_seconds", (("topic", "payments"),))] == 4.5
+
+
+def test_stuck_messages_are_a_gauge_by_topic_and_reason_zero_where_none() -> None:
+    """Escalated and overdue uncertain messages and expired leases: one series per reason
+    for each topic with open messages, so an alert on any of them fires at once."""
+    metrics = PublisherMetrics()
+    metrics.watch_status(
+        FakeReader(
+            [
+                Line("orders", "uncertain", 4, escalated=1, overdue=2),
+                Line("orders", "in_flight", 3, leases_expired=3),
+                Line("payments", "pending", 2, 4.5),
+                Line(None, "uncertain", 4, escalated=1, overdue=2),  # not exported
+            ]
+        )
+    )
+    stuck = {
+        labels: value
+        for (name, labels), value in _scrape(metrics).items()
+        if name == "outbox_messages_stuck"
+    }
+    assert stuck == {
+        (("reason", "escalated"), ("topic", "orders")): 1,
+        (("reason", "overdue"), ("topic", "orders")): 2,
+        (("reason", "lease_expired"), ("topic", "orders")): 3,
+        (("reason", "escalated"), ("topic", "payments")): 0,
+        (("reason", "overdue"), ("topic", "payments")): 0,
+        (("reason", "lease_expired"), ("topic", "payments")): 0,
+    }
 
 
 def test_a_failing_database_does_not_break_the_scrape() -> None:
