@@ -12,8 +12,8 @@ import pytest
 import outbox
 from outbox.states import State
 from publisher.outcomes import AttemptOutcome
-from publisher.store import Recovered, Settlement
-from tests.support import claiming_store, fetch_rows, wait_until
+from publisher.store import Batch, Recovered, Settlement
+from tests.support import ClaimingStore, claiming_store, fetch_rows, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -199,21 +199,36 @@ def _stale_claim(database_url: str, owner: uuid.UUID, message_id: uuid.UUID) -> 
     return int(batch_id)
 
 
+def _sending_and_stale(
+    database_url: str, write_deadline_seconds: float
+) -> tuple[uuid.UUID, ClaimingStore, Batch, ClaimingStore, int]:
+    """One message, claimed and marked sending by one publisher, and named by another's
+    stale claim: the message, the sender and its batch, the other and its batch."""
+    [message_id] = _enqueue(database_url)
+    sender = claiming_store(database_url)
+    sender.register("test", os.getpid(), 30)
+    batch = sender.claim(10, lease_seconds=30)
+    assert batch is not None
+    marked = sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=write_deadline_seconds)
+    assert marked == {message_id}
+    stale = claiming_store(database_url)
+    stale.register("test", os.getpid(), 30)
+    return (
+        message_id,
+        sender,
+        batch,
+        stale,
+        _stale_claim(database_url, stale.publisher_id, message_id),
+    )
+
+
 def test_a_stale_claim_recovered_leaves_the_message_another_batch_is_sending(
     database_url: str,
 ) -> None:
     """A batch that never began sending sent nothing. If another, live, batch names its
     message and is sending it, recovery leaves the message alone: moving its fence
     would refuse that batch's settle and send the message a second time."""
-    [message_id] = _enqueue(database_url)
-    sender = claiming_store(database_url)
-    sender.register("test", os.getpid(), 30)
-    batch = sender.claim(10, lease_seconds=30)
-    assert batch is not None
-    assert sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=60) == {message_id}
-    stale = claiming_store(database_url)
-    stale.register("test", os.getpid(), 30)
-    stale_batch = _stale_claim(database_url, stale.publisher_id, message_id)
+    message_id, sender, batch, stale, stale_batch = _sending_and_stale(database_url, 60)
 
     recovery = claiming_store(database_url)
     assert recovery.recover_expired_leases() == []
@@ -239,15 +254,7 @@ def test_a_message_two_expired_batches_name_is_uncertain_if_either_began_sending
 ) -> None:
     """Recovered in one pass, a message named by a batch that began sending and by one
     that did not goes by the first's evidence: uncertain, never back to pending."""
-    [message_id] = _enqueue(database_url)
-    sender = claiming_store(database_url)
-    sender.register("test", os.getpid(), 30)
-    batch = sender.claim(10, lease_seconds=30)
-    assert batch is not None
-    assert sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=0.0) == {message_id}
-    stale = claiming_store(database_url)
-    stale.register("test", os.getpid(), 30)
-    _stale_claim(database_url, stale.publisher_id, message_id)
+    message_id, sender, batch, stale, _ = _sending_and_stale(database_url, 0.0)
     _expire(database_url, message_id)
 
     recovery = claiming_store(database_url)
