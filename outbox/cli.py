@@ -442,7 +442,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     with _connect(args.database_url) as conn:
         listing = list_messages(conn, args.state, topic=args.topic, limit=args.limit)
-        now = conn.execute("SELECT now()").fetchone()
+        now = conn.execute(query("database_now")).fetchone()
     if args.json:
         print(render.listing_json(listing))
     else:

@@ -34,6 +34,7 @@ from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from outbox.errors import ConnectionNotSupported, NoOpenTransaction, TransactionAborted
+from outbox.queries import query
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection as SAConnection
@@ -50,13 +51,10 @@ def as_uuid(value: object) -> uuid.UUID:
 Params = tuple[Any, ...] | Mapping[str, Any]
 Rows = list[tuple[Any, ...]]
 
-#: The savepoint a multi-statement ``enqueue_many`` runs in on a psycopg connection.
-SAVEPOINT = "outbox_enqueue"
-# One statement each: a string of two cannot be prepared (``prepare_threshold=0``)
-# nor sent in pipeline mode.
-_OPEN_SAVEPOINT = f"SAVEPOINT {SAVEPOINT}"
-_ROLLBACK_TO_SAVEPOINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
-_RELEASE_SAVEPOINT = f"RELEASE SAVEPOINT {SAVEPOINT}"
+# The savepoint a multi-statement ``enqueue_many`` runs in on a psycopg
+# connection (outbox_enqueue): opened, rolled back to and released by one
+# statement each (queries.sql), since a string of two cannot be prepared
+# (``prepare_threshold=0``) nor sent in pipeline mode.
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,17 +147,17 @@ class PsycopgExecutor:
         of the block; a SAVEPOINT statement instead lets psycopg begin the
         caller's transaction as any first statement does, and leaves it open.
         """
-        self._run(_OPEN_SAVEPOINT)
+        self._run(query("open_enqueue_savepoint"))
         try:
             yield
         except BaseException:
             self._resume_pipeline()
             # If this fails too, the original error says more; the transaction stays failed.
             with suppress(psycopg.Error):
-                self._run(_ROLLBACK_TO_SAVEPOINT)
-                self._run(_RELEASE_SAVEPOINT)
+                self._run(query("rollback_to_enqueue_savepoint"))
+                self._run(query("release_enqueue_savepoint"))
             raise
-        self._run(_RELEASE_SAVEPOINT)
+        self._run(query("release_enqueue_savepoint"))
 
     def _resume_pipeline(self) -> None:
         """In pipeline mode, after an error the server skips every statement up to the
@@ -193,17 +191,17 @@ class AsyncPsycopgExecutor:
         server, which fails the transaction; the rollback to the savepoint
         makes it usable again.
         """
-        await self._run(_OPEN_SAVEPOINT)
+        await self._run(query("open_enqueue_savepoint"))
         try:
             yield
         except BaseException:
             await self._resume_pipeline()
             # If this fails too, the original error says more; the transaction stays failed.
             with suppress(psycopg.Error):
-                await self._run(_ROLLBACK_TO_SAVEPOINT)
-                await self._run(_RELEASE_SAVEPOINT)
+                await self._run(query("rollback_to_enqueue_savepoint"))
+                await self._run(query("release_enqueue_savepoint"))
             raise
-        await self._run(_RELEASE_SAVEPOINT)
+        await self._run(query("release_enqueue_savepoint"))
 
     async def _resume_pipeline(self) -> None:
         """As ``PsycopgExecutor._resume_pipeline``."""

@@ -36,6 +36,7 @@ import psycopg
 
 from outbox.connection import MIGRATE, Executor, executor_for, unscoped
 from outbox.errors import MigrationError, said
+from outbox.queries import query
 from outbox.redaction import connect_errors_redacted
 
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -91,32 +92,12 @@ def load_migrations(directory: Traversable | None = None) -> list[Migration]:
     return migrations
 
 
-# The schema is created only when it is missing: CREATE SCHEMA IF NOT EXISTS
-# checks the CREATE privilege on the database first, which the owner of an
-# existing outbox schema (made by a DBA with AUTHORIZATION) need not have.
-_BOOKKEEPING = """
-DO $$ BEGIN
-    IF to_regnamespace('outbox') IS NULL THEN
-        CREATE SCHEMA outbox;
-    END IF;
-END $$;
-CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
-    version     integer PRIMARY KEY,
-    name        text NOT NULL,
-    applied_at  timestamptz NOT NULL DEFAULT now()
-);
-"""
-
-
-_APPLIED = "SELECT version FROM outbox.schema_migrations"
-
-
 def applied_versions(conn: psycopg.Connection[Any]) -> set[int]:
     """Versions recorded in ``outbox.schema_migrations`` (empty before the first run)."""
-    row = conn.execute("SELECT to_regclass('outbox.schema_migrations')").fetchone()
+    row = conn.execute(query("migrations_recorded")).fetchone()
     if row is None or row[0] is None:
         return set()
-    return {v for (v,) in conn.execute(_APPLIED)}
+    return {v for (v,) in conn.execute(query("migrations_applied"))}
 
 
 def migrate(
@@ -260,14 +241,14 @@ def _apply(
     advisory lock is held: another run waits for that one as long as it takes,
     since it queues no lock on an outbox table meanwhile.
     """
-    target.executor.fetchall("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+    target.executor.fetchall(query("migration_lock"), (MIGRATION_LOCK_KEY,))
     if lock_timeout is not None:
         target.executor.fetchall(
-            "SELECT set_config('lock_timeout', %s, true)",
+            query("migration_lock_timeout"),
             (f"{max(1, round(lock_timeout * 1000))}ms",),
         )
-    target.script(_BOOKKEEPING)
-    done = {v for (v,) in target.executor.fetchall(_APPLIED, ())}
+    target.script(query("migration_bookkeeping"))
+    done = {v for (v,) in target.executor.fetchall(query("migrations_applied"), ())}
     newest_known = migrations[-1].version
     if done and max(done) > newest_known:
         raise MigrationError(
@@ -280,8 +261,7 @@ def _apply(
             continue
         target.script(migration.sql)
         target.executor.fetchall(
-            "INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s) "
-            "RETURNING version",  # every statement an executor runs returns rows
+            query("record_migration"),
             (migration.version, migration.name),
         )
         applied.append(migration)

@@ -296,13 +296,32 @@ SELECT id FROM outbox.batches WHERE id = %(batch_id)s FOR UPDATE
 -- open batch of its own names it) and even that claim's settle back to
 -- pending (the fence moved on). This statement's snapshot sees all of that,
 -- so such a message is not sent twice.
+-- The batch then names only what it returns (message_ids is rewritten when
+-- something was left out): a batch that began sending names exactly the
+-- messages it may have sent, which is the evidence recovery goes by, and one
+-- message is named by at most one batch that began sending. What was left
+-- out is no longer in flight under this batch.
 WITH held AS (
     SELECT id, message_ids
     FROM outbox.batches
     WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(owner)s
       AND lease_expires_at > now()
+), claimed AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[]) AS c(id, fence)
+), other_open AS MATERIALIZED (
+    SELECT unnest(message_ids) AS id
+    FROM outbox.batches
+    WHERE settled_at IS NULL AND id <> %(batch_id)s
+), sendable AS MATERIALIZED (
+    SELECT m.id
+    FROM outbox.messages AS m
+    JOIN claimed AS c ON c.id = m.id
+    -- Looked up by key, whatever the statistics say (see settle_batch).
+    WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state COLLATE "C" = 'pending'
+      AND m.fence = c.fence
+      AND m.id NOT IN (SELECT id FROM other_open)
 ), marked AS (
-    UPDATE outbox.batches
+    UPDATE outbox.batches AS b
     SET send_began_at = clock_timestamp(),
         write_deadline = clock_timestamp() + make_interval(secs => %(write_deadline_seconds)s),
         transactional_id = %(transactional_id)s,
@@ -313,25 +332,21 @@ WITH held AS (
                   FROM outbox.partition_offsets
                   WHERE topic = ANY(%(topics)s::text[])
                   GROUP BY topic) AS per_topic
-        )
-    WHERE id = (SELECT id FROM held)
+        ),
+        -- Unchanged (and so not written again) when nothing was left out.
+        message_ids = CASE
+            WHEN (SELECT count(*) FROM sendable) = cardinality(b.message_ids) THEN b.message_ids
+            ELSE ARRAY(SELECT u.id
+                       FROM unnest(b.message_ids) WITH ORDINALITY AS u(id, n)
+                       WHERE u.id IN (SELECT id FROM sendable)
+                       ORDER BY u.n)
+        END
+    WHERE b.id = (SELECT id FROM held)
 ), session AS (
     UPDATE outbox.publishers SET transactional_id = %(transactional_id)s
     WHERE id = %(owner)s AND transactional_id IS DISTINCT FROM %(transactional_id)s
-), claimed AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(fences)s::bigint[]) AS c(id, fence)
-), other_open AS MATERIALIZED (
-    SELECT unnest(message_ids) AS id
-    FROM outbox.batches
-    WHERE settled_at IS NULL AND id <> %(batch_id)s
 )
-SELECT m.id
-FROM outbox.messages AS m
-JOIN claimed AS c ON c.id = m.id
--- Looked up by key, whatever the statistics say (see settle_batch).
-WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state COLLATE "C" = 'pending'
-  AND m.fence = c.fence
-  AND m.id NOT IN (SELECT id FROM other_open)
+SELECT id FROM sendable
 
 -- name: settle_batch
 -- Close the batch and record the outcome of each of its messages in one
@@ -359,6 +374,11 @@ WITH outcome AS (
     WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(publisher)s
     RETURNING claimed_at,
               CASE WHEN transactional_id IS NULL THEN write_deadline END AS write_deadline
+), other_open AS MATERIALIZED (
+    -- Read only for a message this batch did not send (see the WHERE below).
+    SELECT unnest(message_ids) AS id
+    FROM outbox.batches
+    WHERE settled_at IS NULL AND id <> %(batch_id)s
 ), settled AS (
     UPDATE outbox.messages AS m
     SET state = o.state,
@@ -393,6 +413,13 @@ WITH outcome AS (
     -- message: 80 s for one batch).
     WHERE m.id = ANY(%(ids)s::uuid[])
       AND m.id = o.id AND m.fence = o.fence - 1 AND m.state COLLATE "C" = 'pending'
+      -- A message this batch did not send (its transaction could not begin, or
+      -- its content was refused before sending) is left as it is when another
+      -- open batch names it too (a claim made on a stale snapshot, see
+      -- mark_sending): that batch may be sending it, and moving the fence
+      -- would refuse its settle and send the message again. send_began is
+      -- tested first: a batch that sent its messages never reads other_open.
+      AND (o.send_began OR m.id NOT IN (SELECT id FROM other_open))
     RETURNING m.id, m.topic, m.attempts, o.fence, o.outcome, o.error, o.send_began,
               o.kafka_partition, o.kafka_offset, c.claimed_at
 ), recorded AS (
@@ -519,9 +546,11 @@ WITH expired AS (
     FROM expired AS e
     LEFT JOIN outbox.publishers AS p ON p.id = e.publisher_id
 ), members AS (
-    -- Each message once, by the batch whose evidence says the most: one that
-    -- began sending (its record may be in Kafka), the latest write deadline
-    -- first.
+    -- Each message once. Since mark_sending rewrites what a batch names, one
+    -- message is named by at most one batch that began sending; batches
+    -- marked before that (by an earlier version) could both name it, and
+    -- then the first to mark is the one that may have sent it (the later
+    -- mark saw it in the first's open batch and left it out).
     -- again: the message's previous attempt was ended by a recovery too.
     SELECT DISTINCT ON (u.id) u.id, d.id AS batch_id,
            EXISTS (SELECT 1
@@ -530,13 +559,12 @@ WITH expired AS (
                    WHERE p.id = u.id AND a.outcome = 'recovered') AS again
     FROM decided AS d
     CROSS JOIN LATERAL unnest(d.message_ids) AS u(id)
-    ORDER BY u.id, d.send_began_at IS NULL, d.write_deadline DESC NULLS LAST, d.id
+    ORDER BY u.id, d.send_began_at IS NULL, d.send_began_at, d.id
 ), other_open AS MATERIALIZED (
-    -- Messages an open batch names, with that batch (as of this statement's
-    -- snapshot: the batches this pass closes are still open here).
-    SELECT unnest(b.message_ids) AS id, b.id AS batch_id
+    -- Messages an open batch names that this pass does not close.
+    SELECT unnest(b.message_ids) AS id
     FROM outbox.batches AS b
-    WHERE b.settled_at IS NULL
+    WHERE b.settled_at IS NULL AND b.id NOT IN (SELECT id FROM expired)
 ), moved AS (
     -- SET reads the row as the claim left it (it writes none): send_alone
     -- says whether the message was claimed as a suspect.
@@ -570,11 +598,8 @@ WITH expired AS (
       -- it is when another open batch names it too (a claim made on a stale
       -- snapshot, see mark_sending). That batch may be sending it now, and
       -- moving the fence would refuse its settle and put the message back to
-      -- be sent again. One that began sending may have sent it: uncertain,
-      -- whoever else names it.
-      AND (d.next_state = 'uncertain'
-           OR NOT EXISTS (SELECT 1 FROM other_open AS o
-                          WHERE o.id = m.id AND o.batch_id <> d.id))
+      -- be sent again. One that began sending may have sent it: uncertain.
+      AND (d.next_state = 'uncertain' OR m.id NOT IN (SELECT id FROM other_open))
     RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
               d.publisher_id, d.claimed_at, d.send_began_at, m.last_error AS reason
 ), recorded AS (
@@ -1244,9 +1269,9 @@ SELECT topic, state, messages, oldest_created_at, oldest_age_seconds, waiting_re
 FROM outbox.status
 
 -- name: jit_off
--- For a session that reads the status: its statements take milliseconds, and
--- with many open messages their estimated cost passes jit_above_cost, where
--- compiling them would take longer than running them.
+-- For a session whose statements take milliseconds (the status readers, the
+-- publisher's store): with many open messages their estimated cost passes
+-- jit_above_cost, where compiling them would take longer than running them.
 SET jit = off
 
 -- name: open_status
@@ -1540,3 +1565,86 @@ SELECT id, topic, key, value, header_names, header_values, idempotency_key
 FROM outbox.messages
 WHERE seq > %(after)s
 ORDER BY seq
+
+-- name: database_now
+-- The database's time, by which outbox list shows ages.
+SELECT now()
+
+-- name: migration_bookkeeping
+-- The outbox schema, if missing, and the table of applied migrations.
+-- CREATE SCHEMA IF NOT EXISTS would check the CREATE privilege on the
+-- database first, which the owner of an existing outbox schema (made by a DBA
+-- with AUTHORIZATION) need not have.
+DO $$ BEGIN
+    IF to_regnamespace('outbox') IS NULL THEN
+        CREATE SCHEMA outbox;
+    END IF;
+END $$;
+CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
+    version     integer PRIMARY KEY,
+    name        text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_recorded
+-- Whether outbox.schema_migrations exists (NULL before the first migrate).
+SELECT to_regclass('outbox.schema_migrations')
+
+-- name: migrations_applied
+SELECT version FROM outbox.schema_migrations
+
+-- name: migration_lock
+-- The lock every migration and create_roles hold until their transaction
+-- ends: one migration (or grant) at a time.
+SELECT pg_advisory_xact_lock(%s)
+
+-- name: migration_lock_timeout
+-- How long each statement of the rest of the migration's transaction waits
+-- for a lock on an outbox table (see outbox.migrations).
+SELECT set_config('lock_timeout', %s, true)
+
+-- name: record_migration
+-- Every statement an executor runs returns rows.
+INSERT INTO outbox.schema_migrations (version, name) VALUES (%s, %s) RETURNING version
+
+-- name: purge_lock
+-- One purge at a time on a database: a session lock, held across the
+-- purge's many short transactions.
+SELECT pg_try_advisory_lock(%s)
+
+-- name: purge_unlock
+SELECT pg_advisory_unlock(%s)
+
+-- name: outbox_tables_owner
+-- The owner of the outbox tables, whether the current user may act as it
+-- (its member, or a superuser), and the current user. By name, not
+-- to_regclass: that one needs USAGE on the schema already.
+SELECT c.relowner::regrole::text, pg_has_role(current_user, c.relowner, 'USAGE'), current_user
+FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE n.nspname = 'outbox' AND c.relname = 'messages'
+
+-- name: roles_named
+-- Which of these roles exist, and whether each is a superuser.
+SELECT rolname, rolsuper FROM pg_roles WHERE rolname = ANY(%s)
+
+-- name: create_role
+-- {role} is the role's name, quoted as an identifier.
+CREATE ROLE {role} NOLOGIN
+
+-- name: schema_grantees
+-- Roles holding a grant on the outbox schema itself, other than its owner.
+SELECT DISTINCT a.grantee::regrole::text
+FROM pg_namespace AS n, aclexplode(n.nspacl) AS a
+WHERE n.nspname = 'outbox' AND a.grantee <> n.nspowner AND a.grantee <> 0
+ORDER BY 1
+
+-- name: open_enqueue_savepoint
+-- The savepoint a multi-statement enqueue_many runs in on a psycopg
+-- connection (SQLAlchemy's own nested transaction on SQLAlchemy's).
+SAVEPOINT outbox_enqueue
+
+-- name: rollback_to_enqueue_savepoint
+ROLLBACK TO SAVEPOINT outbox_enqueue
+
+-- name: release_enqueue_savepoint
+RELEASE SAVEPOINT outbox_enqueue

@@ -148,7 +148,7 @@ def purge(
         )
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)
-    locked = conn.execute("SELECT pg_try_advisory_lock(%s)", (PURGE_LOCK_KEY,)).fetchone()
+    locked = conn.execute(query("purge_lock"), (PURGE_LOCK_KEY,)).fetchone()
     conn.commit()
     if not locked or not locked[0]:
         raise PurgeBusy("another purge is running on this database; try again when it is done")
@@ -159,7 +159,7 @@ def purge(
         # connection itself is gone, so is the lock; the first error stands.
         with contextlib.suppress(psycopg.Error):
             conn.rollback()
-            conn.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK_KEY,))
+            conn.execute(query("purge_unlock"), (PURGE_LOCK_KEY,))
             conn.commit()
 
 

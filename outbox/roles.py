@@ -31,7 +31,7 @@ from psycopg import sql
 
 from outbox.errors import OutboxError
 from outbox.migrations import MIGRATION_LOCK_KEY
-from outbox.queries import parse_queries
+from outbox.queries import parse_queries, query
 
 #: What each role may do, as ``create_roles`` reports it.
 PURPOSES = {
@@ -101,12 +101,7 @@ def _check_names(conn: psycopg.Connection[Any], names: RoleNames) -> str:
     given = list(names.by_purpose().values())
     if len(set(given)) != len(given):
         raise OutboxError(f"the writer, publisher and operator roles must differ, got {given}")
-    row = conn.execute(
-        # By name, not to_regclass: that one needs USAGE on the schema already.
-        "SELECT c.relowner::regrole::text, pg_has_role(current_user, c.relowner, 'USAGE'),"
-        " current_user FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = 'outbox' AND c.relname = 'messages'"
-    ).fetchone()
+    row = conn.execute(query("outbox_tables_owner")).fetchone()
     if row is None:
         raise OutboxError("the outbox tables are missing: run `outbox migrate` first")
     owner, may_grant, user = row
@@ -121,9 +116,7 @@ def _check_names(conn: psycopg.Connection[Any], names: RoleNames) -> str:
                 f"role {name} owns the outbox tables: it cannot be the writer, publisher or "
                 "operator (their grants would be revoked from the owner)"
             )
-    for name, superuser in conn.execute(
-        "SELECT rolname, rolsuper FROM pg_roles WHERE rolname = ANY(%s)", (given,)
-    ):
+    for name, superuser in conn.execute(query("roles_named"), (given,)):
         if superuser:
             raise OutboxError(
                 f"role {name} is a superuser: grants cannot limit it; choose another name"
@@ -145,13 +138,12 @@ def create_roles(conn: psycopg.Connection[Any], names: RoleNames | None = None) 
     """
     names = names or RoleNames()
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+        conn.execute(query("migration_lock"), (MIGRATION_LOCK_KEY,))
         owner = _check_names(conn, names)
         existing = {
             name
-            for (name,) in conn.execute(
-                "SELECT rolname FROM pg_roles WHERE rolname = ANY(%s)",
-                (list(names.by_purpose().values()),),
+            for (name, _) in conn.execute(
+                query("roles_named"), (list(names.by_purpose().values()),)
             )
         }
         created = []
@@ -159,7 +151,7 @@ def create_roles(conn: psycopg.Connection[Any], names: RoleNames | None = None) 
             if name in existing:
                 continue
             try:
-                conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(name)))
+                conn.execute(sql.SQL(query("create_role")).format(role=sql.Identifier(name)))
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise OutboxError(
                     f"cannot create role {name}: {exc.diag.message_primary}. Create it as an "
@@ -183,12 +175,4 @@ def create_roles(conn: psycopg.Connection[Any], names: RoleNames | None = None) 
 
 def granted_roles(conn: psycopg.Connection[Any]) -> list[str]:
     """Roles holding a grant on the outbox schema itself (other than its owner)."""
-    return [
-        name
-        for (name,) in conn.execute(
-            "SELECT DISTINCT a.grantee::regrole::text FROM pg_namespace AS n,"
-            " aclexplode(n.nspacl) AS a"
-            " WHERE n.nspname = 'outbox' AND a.grantee <> n.nspowner AND a.grantee <> 0"
-            " ORDER BY 1"
-        )
-    ]
+    return [name for (name,) in conn.execute(query("schema_grantees"))]

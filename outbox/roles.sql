@@ -53,7 +53,7 @@ GRANT UPDATE (state, fence, attempts, batch_id, kafka_partition, kafka_offset, d
     ON outbox.messages TO {publisher};
 GRANT INSERT (publisher_id, lease_expires_at, message_ids, key_hashes),
       UPDATE (send_began_at, write_deadline, transactional_id, partition_counts,
-              confirmed_offsets, settled_at, lease_expires_at)
+              confirmed_offsets, settled_at, lease_expires_at, message_ids)
     ON outbox.batches TO {publisher};
 GRANT INSERT ON outbox.attempts TO {publisher};
 GRANT INSERT (message_id, decided_by, from_state, to_state, reason, evidence)

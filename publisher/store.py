@@ -195,7 +195,7 @@ class PublisherStore:
                 # which a threshold of None would refuse.
                 prepare_threshold=_NEVER_BY_COUNT,
             )
-            conn.execute("SET jit = off")
+            conn.execute(query("jit_off"))
             self._conn = conn
         return self._conn
 

@@ -125,10 +125,17 @@ _UNFINISHED = ("uncertain", "in_flight", "pending")
 
 def _left(lines: list[StatusLine]) -> str:
     """The messages still to deliver, by state, and the status view's next action for
-    the first of them (uncertain ones wait for their write deadline and grace)."""
-    overall = {line.state: line for line in lines if line.topic is None and line.messages > 0}
-    left = [overall[state] for state in _UNFINISHED if state in overall]
+    the first of them (uncertain ones wait for their write deadline and grace).
+    Escalated uncertain messages are left out: they wait for an operator, not for
+    this publisher, which does not wait for them either."""
+    left = []
+    for state in _UNFINISHED:
+        line = next((x for x in lines if x.topic is None and x.state == state), None)
+        count = 0 if line is None else line.messages - line.escalated
+        if line is not None and count > 0:
+            left.append((count, line))
     if not left:
         return "messages were still left to deliver"
-    counts = ", ".join(f"{line.messages} {line.state}" for line in left)
-    return f"left: {counts}; outbox.status says for {left[0].state}: {left[0].next_action}"
+    counts = ", ".join(f"{count} {line.state}" for count, line in left)
+    first = left[0][1]
+    return f"left: {counts}; outbox.status says for {first.state}: {first.next_action}"

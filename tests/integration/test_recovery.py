@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -12,7 +13,7 @@ import pytest
 import outbox
 from outbox.states import State
 from publisher.outcomes import AttemptOutcome
-from publisher.store import Batch, Recovered, Settlement
+from publisher.store import Batch, ClaimedMessage, Recovered, Settlement
 from tests.support import ClaimingStore, claiming_store, fetch_rows, wait_until
 
 pytestmark = pytest.mark.integration
@@ -185,16 +186,19 @@ def test_publisher_that_lost_its_batch_to_recovery_may_send_nothing(database_url
     recovery.close()
 
 
-def _stale_claim(database_url: str, owner: uuid.UUID, message_id: uuid.UUID) -> int:
-    """A batch naming a message another open batch names too, its lease expired and
-    sending never begun: what a claim made on a snapshot from before the other claim
-    leaves behind when its publisher dies before its mark (see mark_sending)."""
+def _stale_claim(
+    database_url: str, owner: uuid.UUID, *message_ids: uuid.UUID, expired: bool = True
+) -> int:
+    """A batch naming a message another open batch names too, sending never begun: what
+    a claim made on a snapshot from before the other claim leaves behind (see
+    mark_sending); its lease expired (its publisher died before its mark), or live."""
+    lease = "- interval '1 second'" if expired else "+ interval '30 seconds'"
     [(batch_id,)] = fetch_rows(
         database_url,
         "INSERT INTO outbox.batches (publisher_id, lease_expires_at, message_ids) "
-        "VALUES (%s, now() - interval '1 second', ARRAY[%s::uuid]) RETURNING id",
+        f"VALUES (%s, now() {lease}, %s::uuid[]) RETURNING id",
         owner,
-        message_id,
+        list(message_ids),
     )
     return int(batch_id)
 
@@ -265,6 +269,86 @@ def test_a_message_two_expired_batches_name_is_uncertain_if_either_began_sending
         database_url, "SELECT count(*) FROM outbox.batches WHERE settled_at IS NULL"
     ) == [(0,)]
     for store in (sender, stale, recovery):
+        store.close()
+
+
+def test_a_mark_leaves_out_what_another_open_batch_names_and_names_it_no_more(
+    database_url: str,
+) -> None:
+    """The stale claim's own mark sends only what no other open batch names, and its
+    batch then names only that: a batch that began sending names exactly what it may
+    have sent, the evidence its recovery goes by."""
+    message_id, sender, _, stale, _ = _sending_and_stale(database_url, 60)
+    [other] = _enqueue(database_url)
+    stale_batch = _stale_claim(database_url, stale.publisher_id, message_id, other, expired=False)
+    claimed = Batch(
+        stale_batch,
+        [ClaimedMessage(m, "t", None, b"v", [], fence=1, attempt=1) for m in (message_id, other)],
+        claimed_at=datetime.now(UTC),
+    )
+    assert stale.mark_sending(claimed, {"t": 3}, write_deadline_seconds=60) == {other}
+    assert fetch_rows(
+        database_url, "SELECT message_ids FROM outbox.batches WHERE id = %s", stale_batch
+    ) == [([other],)]
+    _expire(database_url, other)
+    recovered = claiming_store(database_url).recover_expired_leases()
+    assert [(r.message_id, r.state) for r in recovered] == [(other, State.UNCERTAIN)]
+    assert fetch_rows(
+        database_url, "SELECT state, fence FROM outbox.message_status WHERE id = %s", message_id
+    ) == [("in_flight", 0)]
+    for store in (sender, stale):
+        store.close()
+
+
+def test_a_batch_that_never_sent_settles_nothing_another_open_batch_is_sending(
+    database_url: str,
+) -> None:
+    """A stale claim whose Kafka transaction could not begin settles its messages back to
+    pending unsent; the one another batch is sending is left as it is, and that batch's
+    settle records its delivery."""
+    message_id, sender, batch, stale, stale_batch = _sending_and_stale(database_url, 60)
+    unsent = Settlement(
+        message_id, 1, State.PENDING, AttemptOutcome.ABANDONED, error="no transaction",
+        send_began=False,
+    )  # fmt: skip
+    claimed = Batch(
+        stale_batch,
+        [ClaimedMessage(message_id, "t", None, b"v", [], fence=1, attempt=1)],
+        claimed_at=datetime.now(UTC),
+    )
+    assert stale.settle(claimed, [unsent]) == set()
+    assert fetch_rows(database_url, "SELECT attempts, fence FROM outbox.messages") == [(0, 0)]
+    [message] = batch.messages
+    delivered = Settlement(
+        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
+    )
+    assert sender.settle(batch, [delivered]) == {message_id}
+    for store in (sender, stale):
+        store.close()
+
+
+def test_two_batches_marked_by_an_earlier_version_recover_by_the_first_to_mark(
+    database_url: str,
+) -> None:
+    """Marked before marks rewrote what a batch names, two batches that began sending can
+    name one message: only the first to mark can have sent it (the later mark saw the
+    first batch open and left the message out), so its evidence decides."""
+    message_id, sender, batch, stale, stale_batch = _sending_and_stale(database_url, 0.0)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.batches SET send_began_at = clock_timestamp() + interval '1 second', "
+            "write_deadline = now() + interval '1 hour', confirmed_offsets = '{}' WHERE id = %s",
+            (stale_batch,),
+        )
+    _expire(database_url, message_id)
+
+    assert claiming_store(database_url).recover_expired_leases() == [
+        Recovered(message_id, State.UNCERTAIN, 1, 1, batch.id, sender.publisher_id)
+    ]
+    assert fetch_rows(
+        database_url, "SELECT batch_id, available_at <= now() FROM outbox.messages"
+    ) == [(batch.id, True)]
+    for store in (sender, stale):
         store.close()
 
 

@@ -20,6 +20,7 @@ from psycopg import sql
 
 import outbox
 from outbox.errors import OutboxError
+from outbox.migrations import migrate, migrate_connection
 from outbox.roles import RoleNames, create_roles, granted_roles
 from outbox.status import read_open_status
 from publisher.store import PublisherStore
@@ -321,6 +322,60 @@ def test_create_roles_is_idempotent_exact_and_covers_new_tables(
     assert _privilege(database_url, names.writer, "outbox.messages", "INSERT")
     assert _privilege(database_url, names.operator, "outbox.added_later", "SELECT")
     assert _privilege(database_url, names.operator, "outbox.status", "SELECT")
+
+
+def test_create_roles_in_an_alembic_style_transaction_commits_with_it(
+    empty_database_url: str,
+) -> None:
+    """As a revision run by Alembic does: migrate_connection on SQLAlchemy's connection,
+    then create_roles on the psycopg connection beneath it (a savepoint in that
+    transaction): nothing is granted until the transaction commits, everything after."""
+    sa = pytest.importorskip("sqlalchemy")
+    suffix = uuid.uuid4().hex[:8]
+    names = RoleNames(f"w_{suffix}", f"p_{suffix}", f"o_{suffix}")
+    engine = sa.create_engine(empty_database_url.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with engine.connect() as conn:
+            migrate_connection(conn)
+            report = create_roles(conn.connection.driver_connection, names)
+            assert report.created == list(names.by_purpose().values())
+            roles = list(names.by_purpose().values())
+            assert fetch_rows(
+                empty_database_url, "SELECT count(*) FROM pg_roles WHERE rolname = ANY(%s)", roles
+            ) == [(0,)]
+            conn.commit()
+        assert _privilege(empty_database_url, names.writer, "outbox.messages", "INSERT")
+        assert _privilege(empty_database_url, names.operator, "outbox.status", "SELECT")
+    finally:
+        engine.dispose()
+        _drop_roles(empty_database_url, list(names.by_purpose().values()))
+
+
+def test_0021_lets_the_roles_that_mark_batches_rewrite_what_they_name(
+    empty_database_url: str,
+) -> None:
+    """Roles granted before 0021 may mark a batch but not rewrite its message_ids, which a
+    mark of this version does: the migration grants that to each of them, so a publisher
+    of this version (which starts only on a schema with 0021) is never refused its mark."""
+    url = empty_database_url
+    migrate(url, target=20)
+    suffix = uuid.uuid4().hex[:8]
+    names = RoleNames(f"w_{suffix}", f"p_{suffix}", f"o_{suffix}")
+    try:
+        with psycopg.connect(url) as conn:
+            create_roles(conn, names)
+            conn.execute(  # as the grants were before this version
+                sql.SQL("REVOKE UPDATE (message_ids) ON outbox.batches FROM {}").format(
+                    sql.Identifier(names.publisher)
+                )
+            )
+        column = "SELECT has_column_privilege(%s, 'outbox.batches', 'message_ids', 'UPDATE')"
+        assert fetch_rows(url, column, names.publisher) == [(False,)]
+        assert [m.version for m in migrate(url)] == [21]
+        assert fetch_rows(url, column, names.publisher) == [(True,)]
+        assert fetch_rows(url, column, names.operator) == [(False,)]  # it marks nothing
+    finally:
+        _drop_roles(url, list(names.by_purpose().values()))
 
 
 @pytest.fixture
