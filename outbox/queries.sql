@@ -312,14 +312,24 @@ WITH held AS (
     SELECT unnest(message_ids) AS id
     FROM outbox.batches
     WHERE settled_at IS NULL AND id <> %(batch_id)s
-), sendable AS MATERIALIZED (
-    SELECT m.id
+), candidate AS MATERIALIZED (
+    -- Each message of the batch, and whether it is still as the claim read it.
+    SELECT m.id, m.key_hash, m.seq,
+           m.state COLLATE "C" = 'pending' AND m.fence = c.fence
+               AND m.id NOT IN (SELECT id FROM other_open) AS as_claimed
     FROM outbox.messages AS m
     JOIN claimed AS c ON c.id = m.id
     -- Looked up by key, whatever the statistics say (see settle_batch).
-    WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[]) AND m.state COLLATE "C" = 'pending'
-      AND m.fence = c.fence
-      AND m.id NOT IN (SELECT id FROM other_open)
+    WHERE m.id = ANY((SELECT message_ids FROM held)::uuid[])
+), sendable AS MATERIALIZED (
+    -- A later message of a key whose earlier one is left out is left out too:
+    -- sent now, it could reach Kafka before the earlier one, which another
+    -- batch may be sending or which goes back to wait for its turn.
+    SELECT c.id
+    FROM candidate AS c
+    WHERE c.as_claimed
+      AND NOT EXISTS (SELECT 1 FROM candidate AS l
+                      WHERE NOT l.as_claimed AND l.key_hash = c.key_hash AND l.seq < c.seq)
 ), marked AS (
     UPDATE outbox.batches AS b
     SET send_began_at = clock_timestamp(),
@@ -372,10 +382,10 @@ WITH outcome AS (
     UPDATE outbox.batches
     SET settled_at = now()
     WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(publisher)s
-    RETURNING claimed_at,
+    RETURNING claimed_at, send_began_at,
               CASE WHEN transactional_id IS NULL THEN write_deadline END AS write_deadline
 ), other_open AS MATERIALIZED (
-    -- Read only for a message this batch did not send (see the WHERE below).
+    -- Read only for a batch that never began sending (see the WHERE below).
     SELECT unnest(message_ids) AS id
     FROM outbox.batches
     WHERE settled_at IS NULL AND id <> %(batch_id)s
@@ -413,13 +423,19 @@ WITH outcome AS (
     -- message: 80 s for one batch).
     WHERE m.id = ANY(%(ids)s::uuid[])
       AND m.id = o.id AND m.fence = o.fence - 1 AND m.state COLLATE "C" = 'pending'
-      -- A message this batch did not send (its transaction could not begin, or
-      -- its content was refused before sending) is left as it is when another
-      -- open batch names it too (a claim made on a stale snapshot, see
-      -- mark_sending): that batch may be sending it, and moving the fence
-      -- would refuse its settle and send the message again. send_began is
-      -- tested first: a batch that sent its messages never reads other_open.
-      AND (o.send_began OR m.id NOT IN (SELECT id FROM other_open))
+      -- A batch that never began sending (its transaction could not begin, its
+      -- topics were refused, its publisher stopped or gave it back) leaves a
+      -- message as it is when another open batch names it too (a claim made
+      -- on a stale snapshot, see mark_sending): that batch may be sending it,
+      -- and moving the fence would refuse its settle and send the message
+      -- again. A batch that began sending settles everything it names, sent
+      -- or held back behind an earlier message of its key: no other batch can
+      -- be sending those (its mark left out what another open batch named,
+      -- and a later mark leaves out what it names), and moving their fence is
+      -- what keeps a stale claim's mark from sending a later message of a key
+      -- before its earlier one. The batch's own column is tested first: one
+      -- that began never reads other_open.
+      AND (c.send_began_at IS NOT NULL OR m.id NOT IN (SELECT id FROM other_open))
     RETURNING m.id, m.topic, m.attempts, o.fence, o.outcome, o.error, o.send_began,
               o.kafka_partition, o.kafka_offset, c.claimed_at
 ), recorded AS (
@@ -562,9 +578,18 @@ WITH expired AS (
     ORDER BY u.id, d.send_began_at IS NULL, d.send_began_at, d.id
 ), other_open AS MATERIALIZED (
     -- Messages an open batch names that this pass does not close.
-    SELECT unnest(b.message_ids) AS id
+    SELECT unnest(b.message_ids) AS id, b.send_began_at
     FROM outbox.batches AS b
     WHERE b.settled_at IS NULL AND b.id NOT IN (SELECT id FROM expired)
+), sent_elsewhere AS MATERIALIZED (
+    -- Messages of batches recovered here that an open batch this pass does not
+    -- close began sending first: marked by an earlier version, the batch
+    -- recovered here saw that one open at its mark and left the message out.
+    SELECT j.id
+    FROM members AS j
+    JOIN decided AS d ON d.id = j.batch_id
+    JOIN other_open AS o ON o.id = j.id
+    WHERE o.send_began_at < d.send_began_at
 ), moved AS (
     -- SET reads the row as the claim left it (it writes none): send_alone
     -- says whether the message was claimed as a suspect.
@@ -600,6 +625,7 @@ WITH expired AS (
       -- moving the fence would refuse its settle and put the message back to
       -- be sent again. One that began sending may have sent it: uncertain.
       AND (d.next_state = 'uncertain' OR m.id NOT IN (SELECT id FROM other_open))
+      AND m.id NOT IN (SELECT id FROM sent_elsewhere)
     RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
               d.publisher_id, d.claimed_at, d.send_began_at, m.last_error AS reason
 ), recorded AS (

@@ -762,21 +762,26 @@ class Publisher:
 
     def _count_lost_before_sending(self, batch: Batch, held: set[uuid.UUID]) -> None:
         """Messages this publisher no longer held when sending began: its batch was
-        recovered by another publisher, or an operator decided the message (a claim that
-        waited for the decision read it as it was before)."""
+        recovered by another publisher, an operator decided the message (a claim that
+        waited for the decision read it as it was before), another open batch names it (a
+        claim on a stale snapshot), or an earlier message of its key was left out for one
+        of those reasons. The batch no longer names them (mark_sending)."""
         lost = [m for m in batch.messages if m.id not in held]
         if not lost:
             return
         log.warning(
-            "batch %d: %d messages were recovered or decided before sending began; not sent",
+            "batch %d: %d messages were no longer this batch's to send when sending began "
+            "(recovered, decided, claimed by another batch too, or behind one of those); "
+            "not sent",
             batch.id,
             len(lost),
             extra={"batch_id": batch.id},
         )
         for m in lost:
             self._message_log(m, batch.id).info(
-                "recovered by another publisher, or decided by an operator, before sending "
-                "began; not sent"
+                "not this batch's to send any more when sending began (recovered, decided "
+                "by an operator, claimed by another batch too, or behind an earlier message "
+                "of its key that was); not sent"
             )
         self.totals.stale += len(lost)
         self.metrics.lease_losses.labels("before_send").inc(len(lost))

@@ -352,6 +352,105 @@ def test_two_batches_marked_by_an_earlier_version_recover_by_the_first_to_mark(
         store.close()
 
 
+def _keyed(database_url: str, count: int) -> list[uuid.UUID]:
+    with psycopg.connect(database_url) as conn:
+        return outbox.enqueue_many(
+            conn, [outbox.Message("t", f"{i}", key="k") for i in range(count)]
+        )
+
+
+def _claimed(batch_id: int, *message_ids: uuid.UUID, fence: int = 1) -> Batch:
+    """The Batch a stale claim's publisher holds: these messages, at this attempt's fence."""
+    return Batch(
+        batch_id,
+        [ClaimedMessage(m, "t", b"k", b"v", [], fence=fence, attempt=1) for m in message_ids],
+        claimed_at=datetime.now(UTC),
+    )
+
+
+def test_a_batch_that_began_settles_a_message_it_held_back_so_a_stale_claim_cannot_send_it(
+    database_url: str,
+) -> None:
+    """Its first message failed and the second, of the same key, was held back unsent:
+    the batch began sending, so it settles both (fences move on), and a stale claim of
+    the two then sends neither, not the second before the first."""
+    first, second = _keyed(database_url, 2)
+    sender = claiming_store(database_url)
+    sender.register("test", os.getpid(), 30)
+    batch = sender.claim(10, lease_seconds=30)
+    assert batch is not None
+    assert sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=60) == {first, second}
+    stale = claiming_store(database_url)
+    stale.register("test", os.getpid(), 30)
+    stale_batch = _stale_claim(database_url, stale.publisher_id, first, second, expired=False)
+
+    failed = Settlement(first, 1, State.PENDING, AttemptOutcome.FAILED, error="timed out")
+    held_back = Settlement(
+        second, 1, State.PENDING, AttemptOutcome.ABANDONED, error="held back", send_began=False
+    )
+    assert sender.settle(batch, [failed, held_back]) == {first, second}
+    assert (
+        stale.mark_sending(
+            _claimed(stale_batch, first, second), {"t": 3}, write_deadline_seconds=60
+        )
+        == set()
+    )
+    for store in (sender, stale):
+        store.close()
+
+
+def test_a_mark_leaves_out_a_later_message_of_a_key_whose_earlier_one_it_left_out(
+    database_url: str,
+) -> None:
+    """Another batch is sending the first message of a key; a stale claim of both may
+    send neither: the second could reach Kafka before the first."""
+    first, second = _keyed(database_url, 2)
+    sender = claiming_store(database_url)
+    sender.register("test", os.getpid(), 30)
+    batch = sender.claim(1, lease_seconds=30)
+    assert batch is not None
+    assert sender.mark_sending(batch, {"t": 3}, write_deadline_seconds=60) == {first}
+    stale = claiming_store(database_url)
+    stale.register("test", os.getpid(), 30)
+    stale_batch = _stale_claim(database_url, stale.publisher_id, first, second, expired=False)
+
+    assert (
+        stale.mark_sending(
+            _claimed(stale_batch, first, second), {"t": 3}, write_deadline_seconds=60
+        )
+        == set()
+    )
+    assert fetch_rows(
+        database_url, "SELECT message_ids FROM outbox.batches WHERE id = %s", stale_batch
+    ) == [([],)]
+    for store in (sender, stale):
+        store.close()
+
+
+def test_a_legacy_batch_that_marked_second_leaves_the_message_to_the_first_still_open(
+    database_url: str,
+) -> None:
+    """Marked by an earlier version after the batch that is sending the message, and
+    recovered alone while that one is still open: it cannot have sent the message, so
+    recovery leaves it, and the sender's settle records the delivery."""
+    message_id, sender, batch, stale, stale_batch = _sending_and_stale(database_url, 60)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.batches SET send_began_at = clock_timestamp() + interval '1 second', "
+            "write_deadline = now(), confirmed_offsets = '{}' WHERE id = %s",
+            (stale_batch,),
+        )
+
+    assert claiming_store(database_url).recover_expired_leases() == []
+    [message] = batch.messages
+    delivered = Settlement(
+        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
+    )
+    assert sender.settle(batch, [delivered]) == {message_id}
+    for store in (sender, stale):
+        store.close()
+
+
 def test_heartbeat_renews_only_leases_about_to_expire(database_url: str) -> None:
     """renew=True extends live leases within half a lease of expiry; renew=False only heartbeats."""
     _enqueue(database_url, 3)
