@@ -1380,10 +1380,12 @@ SELECT id, claimed_at FROM outbox.batches WHERE id >= %(id)s ORDER BY id LIMIT 1
 
 -- name: purged_delivery
 -- The batch that delivered a purged message: the first batch from
--- %(from)s on (batch ids grow with their claim time) that names the message
--- and recorded no attempt of it (every claim that did not deliver wrote
--- one). It is read in primary-key order and stops at the first match; its
--- partition and offset went with the message row.
+-- %(from)s on (batch ids grow with their claim time) that began sending,
+-- names the message and recorded no attempt of it (every claim that began
+-- and did not deliver wrote one; one that never began can leave a message to
+-- another batch without an attempt). It is read in primary-key order and
+-- stops at the first match; its partition and offset went with the message
+-- row.
 SELECT coalesce((SELECT max(attempt) FROM outbox.attempts WHERE message_id = %(id)s), 0) + 1
            AS attempt,
        b.publisher_id, p.host, p.pid, NULL::bigint AS fence, b.id AS batch_id,
@@ -1392,7 +1394,7 @@ SELECT coalesce((SELECT max(attempt) FROM outbox.attempts WHERE message_id = %(i
        NULL::integer AS kafka_partition, NULL::bigint AS kafka_offset, b.transactional_id
 FROM outbox.batches AS b
 LEFT JOIN outbox.publishers AS p ON p.id = b.publisher_id
-WHERE b.id >= %(from)s AND b.settled_at IS NOT NULL
+WHERE b.id >= %(from)s AND b.settled_at IS NOT NULL AND b.send_began_at IS NOT NULL
   AND b.message_ids @> ARRAY[%(id)s::uuid]
   AND b.id NOT IN (SELECT batch_id FROM outbox.attempts
                    WHERE message_id = %(id)s AND batch_id IS NOT NULL)

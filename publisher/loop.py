@@ -765,7 +765,7 @@ class Publisher:
         recovered by another publisher, an operator decided the message (a claim that
         waited for the decision read it as it was before), another open batch names it (a
         claim on a stale snapshot), or an earlier message of its key was left out for one
-        of those reasons. The batch no longer names them (mark_sending)."""
+        of those reasons. A batch still held no longer names them (mark_sending)."""
         lost = [m for m in batch.messages if m.id not in held]
         if not lost:
             return
@@ -1010,9 +1010,9 @@ class Publisher:
     def _settle(self, batch: Batch, settlements: list[Settlement]) -> None:
         """Record the outcomes, retrying through database outages while the lease lasts.
 
-        With none to record (every message of the batch was recovered, or
-        decided by an operator, before sending began), the batch is still
-        closed: open, it would hold its keys back until its lease ran out.
+        With none to record (no message of the batch was its to send any more
+        when sending began: see ``_count_lost_before_sending``), the batch is
+        still closed: open, it would hold its keys back until its lease ran out.
         """
         deadline = self._clock() + self.config.lease_seconds
         delay = 0.1
@@ -1058,7 +1058,9 @@ class Publisher:
                 t.stale += 1
                 m.lease_losses.labels("at_settle").inc()
                 self._message_log(message, batch.id).warning(
-                    "fence is stale, the outcome %s changed nothing (its lease was taken over)",
+                    "the outcome %s changed nothing: its lease was taken over (the fence is "
+                    "stale), or, the batch never having begun sending, another open batch "
+                    "names it",
                     s.attempt_outcome,
                 )
                 continue

@@ -95,7 +95,7 @@ def test_zombie_whose_records_were_acknowledged_changes_nothing_when_it_wakes(
     zombie.send_signal(signal.SIGCONT)
     stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
     assert zombie.returncode == 0, stderr
-    assert "is stale, the outcome delivered changed nothing" in stderr
+    assert "the outcome delivered changed nothing: its lease was taken over" in stderr
 
     copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
     assert len(copies) == TOTAL
@@ -156,7 +156,7 @@ def test_zombie_frozen_before_its_producer_sent_writes_nothing_when_it_wakes(
     # met the socket, and after the exit nothing of it can write any more.
     stderr = stop_process(zombie, signal.SIGTERM, timeout=60)
     assert zombie.returncode == 0, stderr
-    assert "is stale, the outcome uncertain changed nothing" in stderr
+    assert "the outcome uncertain changed nothing: its lease was taken over" in stderr
 
     copies = Counter(r.outbox_id for r in read_topic(kafka_bootstrap, topic))
     assert len(copies) == TOTAL
