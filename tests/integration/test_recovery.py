@@ -226,6 +226,15 @@ def _sending_and_stale(
     )
 
 
+def _settle_delivered(sender: ClaimingStore, batch: Batch, message_id: uuid.UUID) -> None:
+    """The sender's settle of its one message, delivered: recorded, not refused as stale."""
+    [message] = batch.messages
+    delivered = Settlement(
+        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
+    )
+    assert sender.settle(batch, [delivered]) == {message_id}
+
+
 def test_a_stale_claim_recovered_leaves_the_message_another_batch_is_sending(
     database_url: str,
 ) -> None:
@@ -241,11 +250,7 @@ def test_a_stale_claim_recovered_leaves_the_message_another_batch_is_sending(
     ) == [(True,)]
     assert fetch_rows(database_url, "SELECT attempts, fence FROM outbox.messages") == [(0, 0)]
 
-    [message] = batch.messages
-    delivered = Settlement(
-        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
-    )
-    assert sender.settle(batch, [delivered]) == {message_id}
+    _settle_delivered(sender, batch, message_id)
     assert fetch_rows(
         database_url, "SELECT state, fence, kafka_offset FROM outbox.message_status"
     ) == [("delivered", 1, 7)]
@@ -318,11 +323,7 @@ def test_a_batch_that_never_sent_settles_nothing_another_open_batch_is_sending(
     )
     assert stale.settle(claimed, [unsent]) == set()
     assert fetch_rows(database_url, "SELECT attempts, fence FROM outbox.messages") == [(0, 0)]
-    [message] = batch.messages
-    delivered = Settlement(
-        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
-    )
-    assert sender.settle(batch, [delivered]) == {message_id}
+    _settle_delivered(sender, batch, message_id)
     for store in (sender, stale):
         store.close()
 
@@ -442,11 +443,7 @@ def test_a_legacy_batch_that_marked_second_leaves_the_message_to_the_first_still
         )
 
     assert claiming_store(database_url).recover_expired_leases() == []
-    [message] = batch.messages
-    delivered = Settlement(
-        message.id, message.fence, State.DELIVERED, AttemptOutcome.DELIVERED, partition=1, offset=7
-    )
-    assert sender.settle(batch, [delivered]) == {message_id}
+    _settle_delivered(sender, batch, message_id)
     for store in (sender, stale):
         store.close()
 
