@@ -315,7 +315,7 @@ WITH held AS (
 ), candidate AS MATERIALIZED (
     -- Each message of the batch, and whether it is still as the claim read it.
     SELECT m.id, m.key_hash, m.seq,
-           m.state COLLATE "C" = 'pending' AND m.fence = c.fence
+           m.state = 'pending' AND m.fence = c.fence
                AND m.id NOT IN (SELECT id FROM other_open) AS as_claimed
     FROM outbox.messages AS m
     JOIN claimed AS c ON c.id = m.id
@@ -364,7 +364,8 @@ SELECT id FROM sendable
 -- closed only if it is still open and this publisher's; otherwise (recovery
 -- closed it: the lease was lost) nothing changes. Each message row is written
 -- once: its state, where it went, this attempt's fence and count; a message
--- that changed since the claim (its fence moved on) is left alone. An attempt
+-- that changed since the claim (its fence moved on), or that the batch does
+-- not name (any more: its mark left it out), is left alone. An attempt
 -- that did not deliver gets an attempt row; a delivery's record is its batch.
 -- An uncertain message waits until the producer that sent it can no longer
 -- write before it is reconciled: its write deadline; or, sent in a
@@ -382,7 +383,7 @@ WITH outcome AS (
     UPDATE outbox.batches
     SET settled_at = now()
     WHERE id = %(batch_id)s AND settled_at IS NULL AND publisher_id = %(publisher)s
-    RETURNING claimed_at, send_began_at,
+    RETURNING claimed_at, send_began_at, message_ids,
               CASE WHEN transactional_id IS NULL THEN write_deadline END AS write_deadline
 ), other_open AS MATERIALIZED (
     -- Read only for a batch that never began sending (see the WHERE below).
@@ -423,6 +424,9 @@ WITH outcome AS (
     -- message: 80 s for one batch).
     WHERE m.id = ANY(%(ids)s::uuid[])
       AND m.id = o.id AND m.fence = o.fence - 1 AND m.state COLLATE "C" = 'pending'
+      -- Only what the batch names: the publisher passes no other id, and the
+      -- statement does not take its word for it.
+      AND m.id = ANY(c.message_ids)
       -- A batch that never began sending (its transaction could not begin, its
       -- topics were refused, its publisher stopped or gave it back) leaves a
       -- message as it is when another open batch names it too (a claim made

@@ -557,3 +557,35 @@ def test_uncertain_message_is_work_until_escalated(database_url: str) -> None:
     assert store.work_left() is False
     assert store.seconds_until_due() is None
     store.close()
+
+
+def test_a_settle_changes_only_the_messages_its_batch_names(database_url: str) -> None:
+    """A settle is refused for a message its batch does not name, whatever the publisher
+    passes: the batch is the evidence of what its publisher may have sent."""
+    [claimed_id] = _enqueue(database_url)
+    sender = claiming_store(database_url)
+    sender.register("test", os.getpid(), 30)
+    batch = sender.claim(10, lease_seconds=30)
+    assert batch is not None
+    [other_id] = _enqueue(database_url)  # pending, named by no batch
+    [message] = batch.messages
+    settlements = [
+        Settlement(
+            message_id,
+            message.fence,
+            State.DELIVERED,
+            AttemptOutcome.DELIVERED,
+            partition=0,
+            offset=offset,
+        )
+        for offset, message_id in enumerate((claimed_id, other_id))
+    ]
+    assert sender.settle(batch, settlements) == {claimed_id}
+    assert fetch_rows(
+        database_url, "SELECT id, state, fence, attempts FROM outbox.messages ORDER BY seq"
+    ) == [(claimed_id, "delivered", 1, 1), (other_id, "pending", 0, 0)]
+    assert fetch_rows(
+        database_url,
+        "SELECT topic, kafka_partition, confirmed_offset FROM outbox.partition_offsets",
+    ) == [("t", 0, 0)]
+    sender.close()
