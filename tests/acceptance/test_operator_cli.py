@@ -148,7 +148,10 @@ def test_status_shows_every_state_per_topic_and_overall_with_the_next_action(
     assert in_flight["leases_expired"] == 1
     assert in_flight["next_lease_expiry"] is not None
     assert in_flight["healthy"] is False
-    assert "recovers them from their evidence" in in_flight["next_action"]
+    assert in_flight["next_action"] == (
+        "1 lease(s) expired and no publisher is running to recover them: start "
+        "outbox-publisher, or run outbox-publisher reconcile"
+    )
 
     uncertain = lines["uncertain"]
     assert (uncertain["messages"], uncertain["escalated"], uncertain["healthy"]) == (1, 0, False)

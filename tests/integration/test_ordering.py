@@ -309,10 +309,24 @@ def test_held_keys_give_times_in_utc_and_say_when_no_publisher_runs(database_url
         rows = read()
         return rows if len(rows) == 2 else None  # "f" once its lease has expired
 
+    def status_in_flight() -> str:
+        # The status view's in_flight line for the topic says the same as the key.
+        [(action,)] = fetch_rows(
+            database_url,
+            "SELECT next_action FROM outbox.status WHERE topic = %s AND state = 'in_flight'",
+            topic,
+        )
+        return str(action)
+
     try:
         rows = wait_until(both_held, timeout=10, what="the in-flight lease to expire")
+        running = status_in_flight()
     finally:
         store.close()
+    assert running == (
+        "1 lease(s) expired: their publisher died or stalled; a running publisher recovers "
+        "them from their evidence, or run outbox-publisher reconcile"
+    )
     assert rows is not None
     [(_, f_reason, f_action, f_at), (_, r_reason, r_action, r_at)] = rows
     assert f_reason == f"in flight, lease expired at {f_at}"
@@ -329,6 +343,10 @@ def test_held_keys_give_times_in_utc_and_say_when_no_publisher_runs(database_url
     assert r_action == (
         "no publisher is running to retry it: start outbox-publisher; "
         "or outbox discard ID --fence N --reason TEXT"
+    )
+    assert status_in_flight() == (
+        "1 lease(s) expired and no publisher is running to recover them: start "
+        "outbox-publisher, or run outbox-publisher reconcile"
     )
 
 
