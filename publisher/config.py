@@ -47,6 +47,17 @@ _LATE_REQUEST_MS = 100
 #: flight, timed out by the next scan of that queue, up to a second later.
 WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
 
+#: Seconds after an uncertain message's write deadline before its record's
+#: absence from Kafka counts as proof (``--absence-grace``). A record the
+#: partition leader wrote is invisible to a scan (above the high watermark)
+#: until every in-sync follower has copied it or been dropped from the ISR.
+#: A leader drops a follower that has not caught up for
+#: ``replica.lag.time.max.ms`` (Kafka's default 30 s), but looks for such
+#: followers only every half of that, and then waits for the controller to
+#: accept the smaller ISR: up to 1.5 times it (45 s) and a round trip. 60 s
+#: covers that with a margin.
+DEFAULT_ABSENCE_GRACE = 60.0
+
 #: How a publisher delivers (``--delivery``); see docs/guarantees.md.
 DELIVERY_MODES = ("idempotent", "transactional")
 
@@ -86,8 +97,8 @@ class PublisherConfig:
     #: 0 turns automatic reconciliation off (``outbox-publisher reconcile`` still works).
     reconcile_interval: float = 10.0
     #: Seconds after an uncertain message's write deadline before its record's
-    #: absence from Kafka counts as proof (the broker's replica.lag.time.max.ms).
-    absence_grace: float = 30.0
+    #: absence from Kafka counts as proof (see ``DEFAULT_ABSENCE_GRACE``).
+    absence_grace: float = DEFAULT_ABSENCE_GRACE
     #: Exit once nothing is left to deliver (for scripts and tests).
     exit_when_idle: bool = False
     #: First retry delay of a message Kafka did not take, doubled at each attempt.
@@ -652,7 +663,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reconcile_interval", float, "seconds between reconciliation passes over uncertain "
             "messages; 0 for none", "recovery and reconciliation", metavar="SECONDS"),
     Setting("absence_grace", float, "seconds after a write deadline before a record's absence "
-            "from Kafka is proof; at least the brokers' replica.lag.time.max.ms",
+            "from Kafka is proof; at least 1.5 times the brokers' replica.lag.time.max.ms",
             "recovery and reconciliation", metavar="SECONDS"),
     Setting("retry_base_seconds", float, "first retry delay of a message Kafka did not take; "
             "doubles per attempt", "retries", metavar="SECONDS"),

@@ -12,9 +12,11 @@ on where it stopped (``_Range``), so every range is read to its end.
 
 * found: ``delivered`` at the offset found;
 * not found, once a grace period after the write deadline has passed too
-  (``absence_grace``, the broker's ``replica.lag.time.max.ms``: a record the
-  leader wrote but its followers had not copied yet sits above the high
-  watermark, invisible to the scan, until they copy it or drop out):
+  (``absence_grace``, 1.5 times the brokers' ``replica.lag.time.max.ms`` and
+  more: a record the leader wrote but its followers had not copied yet sits
+  above the high watermark, invisible to the scan, until they copy it or the
+  leader drops them from the ISR, which it does only up to 1.5 times that
+  after they fell behind, and once the controller agrees):
   ``pending``, with the scanned range recorded as the proof, so it is sent
   again; before that, it is left for a later pass;
 * the evidence is gone or cannot be trusted: it stays ``uncertain``, is
@@ -60,6 +62,7 @@ from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
 from outbox.states import WAITING_NOTE, State
+from publisher.config import DEFAULT_ABSENCE_GRACE
 from publisher.fencing import Fencer
 from publisher.logs import MessageLog
 from publisher.outcomes import is_unreachable
@@ -148,10 +151,6 @@ class _Range:
             self.key_records += scan.key_records.get(key, 0)
             self.key_ids |= scan.by_key.get(key, set())
         self.position = max(self.position, read_to)
-
-
-#: Kafka's default ``replica.lag.time.max.ms``, in seconds.
-DEFAULT_ABSENCE_GRACE = 30.0
 
 
 @dataclass

@@ -411,6 +411,16 @@ def test_reconcile_takes_the_absence_grace_as_the_publisher_does(tmp_path: Path)
     assert _problems(caught.value) == ["absence grace must be 0 or more, got -30.0"]
 
 
+def test_the_default_absence_grace_outlasts_a_follower_dropped_from_the_isr() -> None:
+    """A record the leader wrote becomes readable once every in-sync follower copied it or
+    was dropped; a leader checks its followers every half of replica.lag.time.max.ms
+    (Kafka's default 30 s) and drops those behind by that much, so a dropped follower can
+    hide the record for 1.5 times it, and the controller's answer after that."""
+    kafka_replica_lag_time_max = 30.0
+    assert PublisherConfig.absence_grace > 1.5 * kafka_replica_lag_time_max
+    assert reconcile_config([], BASE_ENV).absence_grace == PublisherConfig.absence_grace
+
+
 def test_reconcile_judges_only_its_own_keys_of_the_publishers_config_file(
     tmp_path: Path,
 ) -> None:
