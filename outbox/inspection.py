@@ -52,8 +52,8 @@ _ESCALATED_ACTION = (
 )
 #: An uncertain message whose last error is the reconciler's note that it waits on Kafka.
 _WAITING_ACTION = (
-    "do what its last error says: reconciliation decides it once Kafka lets the producer "
-    "session that sent it be fenced (outbox-publisher reconcile tries now)"
+    "do what its last error says: reconciliation goes on once Kafka lets it "
+    "(outbox-publisher reconcile tries now)"
 )
 #: What to do next about a message that waits for a publisher while none runs.
 _NO_PUBLISHER_ACTION = {

@@ -52,6 +52,7 @@ Every decision is written to ``outbox.decisions`` with its evidence.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -84,7 +85,8 @@ class ReconcileReport:
     #: not readable now, a session that could not be fenced).
     deferred: list[uuid.UUID] = field(default_factory=list)
     #: Why some of the deferred wait, as their ``last_error`` says it, with how many
-    #: messages each (a session Kafka would not let be fenced).
+    #: messages each (a session Kafka would not let be fenced, a transaction that
+    #: holds a partition's reads back).
     waiting: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -224,6 +226,31 @@ def fence_refused_note(transactional_id: str, error: BaseException) -> str:
     )
 
 
+#: How long one transaction may hold a partition's read_committed reads back
+#: before the messages it keeps undecided say so: longer than a publisher's
+#: own transactions take (a batch's, ended by its write deadline), and than
+#: Kafka's default transaction.timeout.ms, after which Kafka aborts a
+#: producer's transaction that is left open.
+HELD_BACK_NOTE_AFTER = 60.0
+
+
+def held_back_note(topic: str, partition: int, stable: int) -> str:
+    """What an uncertain message says (its ``last_error``) while a transaction left open
+    in its partition keeps read_committed reads below the offset its record may be at.
+
+    Only the offset, which stays the same while that transaction is open: a
+    note that changed from pass to pass would write every waiting message again.
+    """
+    return (
+        f"{WAITING_NOTE}a transaction open in {topic}[{partition}] since offset {stable} "
+        "(its last stable offset) holds back read_committed reads, and its record may lie "
+        "past it: it is decided once that transaction ends. Kafka aborts a transaction "
+        "its producer leaves open after that producer's transaction.timeout.ms; one that "
+        "stays open (hanging) is listed by kafka-transactions.sh find-hanging and ended "
+        "by kafka-transactions.sh abort"
+    )
+
+
 class Reconciler:
     """Decides uncertain messages; ``run_once`` is one pass over those that are due."""
 
@@ -236,6 +263,7 @@ class Reconciler:
         limit: int = 1000,
         absence_grace: float = DEFAULT_ABSENCE_GRACE,
         fencer: Fencer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.scanner = scanner
@@ -252,6 +280,14 @@ class Reconciler:
         self.progress: Callable[[], None] = lambda: None
         #: Partitions already reported to hold foreign ``outbox-id`` headers.
         self._foreign_seen: set[tuple[str, int]] = set()
+        self._clock = clock
+        #: Partitions whose reads a transaction holds back: its last stable
+        #: offset, and when this reconciler first saw it hold them there.
+        self._held_back: dict[tuple[str, int], tuple[int, float]] = {}
+        #: Partitions whose messages this reconciler noted as held back, and those
+        #: it has read (a note an earlier process left is taken off at the first read).
+        self._noted: set[tuple[str, int]] = set()
+        self._read_before: set[tuple[str, int]] = set()
         #: Each undecided message's range as read so far, by (id, fence): a
         #: later attempt of the message (a higher fence) has a range of its own.
         self._ranges: dict[tuple[uuid.UUID, int], _Range] = {}
@@ -577,9 +613,14 @@ class Reconciler:
         # to its end yet, from where the least read one stopped.
         unread = [m for m in messages if ranges[m.id].position < target(m)]
         lost: EvidenceLost | None = None
+        #: Where an open transaction holds this partition's reads back, if one has
+        #: held them there long enough to say so.
+        held_back: int | None = None
         if unread:
             scan_from = min(ranges[m.id].position for m in unread)
-            scan_to = self._stable_to(topic, partition, max(target(m) for m in unread))
+            wanted = max(target(m) for m in unread)
+            scan_to = self._stable_to(topic, partition, wanted)
+            held_back = self._held_back_at(topic, partition, scan_to if scan_to < wanted else None)
             if scan_to <= scan_from:
                 unread = []  # nothing more is stable yet: a later pass reads on
         if unread:
@@ -609,6 +650,8 @@ class Reconciler:
             for m in unread:
                 ranges[m.id].take(scan, read_to, message_id=str(m.id), key=m.key)
         grown: list[int] = []  # the end observed after this pass's read, once asked
+        held: list[UncertainMessage] = []  # undecided, held back by a transaction
+        read_on: list[UncertainMessage] = []  # undecided, their reads went on
 
         def end_after_read() -> int:
             if not grown:
@@ -662,6 +705,8 @@ class Reconciler:
                 # Not read to its end yet (the next pass goes on), or within
                 # the grace, when its record may still become visible.
                 report.deferred.append(m.id)
+                stuck = held_back is not None and r.position >= held_back and r.position < to
+                (held if stuck else read_on).append(m)
                 continue
             if (
                 r.sweep_to is None
@@ -676,6 +721,7 @@ class Reconciler:
                 # end observed after it: the range of its key runs to there.
                 r.sweep_to = end_after_read()
                 report.deferred.append(m.id)
+                read_on.append(m)
                 continue
             gone = (
                 self._evidence_gone(where, r.deleted)
@@ -698,7 +744,52 @@ class Reconciler:
                         evidence,
                     )
                 )
+        self._note_held_back(
+            topic, partition, held_back=held_back, held=held, read_on=read_on, report=report
+        )
         return decisions
+
+    def _held_back_at(self, topic: str, partition: int, stable: int | None) -> int | None:
+        """The offset an open transaction has held ``partition``'s reads at for
+        ``HELD_BACK_NOTE_AFTER`` seconds or more, as seen by this reconciler; else None.
+
+        ``stable`` is where the reads stop now, None if nothing holds them. A
+        transaction that ends lets the last stable offset move on: another
+        offset is another transaction, timed from now.
+        """
+        where = (topic, partition)
+        if stable is None:
+            self._held_back.pop(where, None)
+            return None
+        since = self._held_back.get(where)
+        if since is None or since[0] != stable:
+            since = self._held_back[where] = (stable, self._clock())
+        return stable if self._clock() - since[1] >= HELD_BACK_NOTE_AFTER else None
+
+    def _note_held_back(
+        self,
+        topic: str,
+        partition: int,
+        *,
+        held_back: int | None,
+        held: Sequence[UncertainMessage],
+        read_on: Sequence[UncertainMessage],
+        report: ReconcileReport,
+    ) -> None:
+        """Say on the messages a transaction holds back why they wait; take the note off
+        those whose reads went on (a note left by an earlier process is taken off the
+        first time this one reads their partition)."""
+        where = (topic, partition)
+        if held_back is not None and held:
+            note = held_back_note(topic, partition, held_back)
+            self.store.note_waiting(held, note)
+            report.waiting[note] = report.waiting.get(note, 0) + len(held)
+            self._noted.add(where)
+        if read_on and (where in self._noted or where not in self._read_before):
+            self.store.note_waiting(read_on, None)
+            if held_back is None:
+                self._noted.discard(where)
+        self._read_before.add(where)
 
     def _stable_to(self, topic: str, partition: int, to: int) -> int:
         """Up to where ``[.., to)`` can be read now: ``to``, or the last stable offset below it.

@@ -681,6 +681,12 @@ class TransactionalSession:
         self._producer.commit_transaction()
         self._open = False
 
+    def abort(self) -> None:
+        """Abort the open transaction."""
+        assert self._open, "no transaction is open"
+        self._producer.abort_transaction()
+        self._open = False
+
     def close(self) -> None:
         """Close the producer (after the test is done with a transaction it left open)."""
         self._producer.close(timeout=5)

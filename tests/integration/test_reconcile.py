@@ -28,12 +28,17 @@ import outbox
 from outbox.inspection import list_messages, read_timeline
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
 from outbox.render import listing_text
-from outbox.states import State
+from outbox.states import WAITING_NOTE, State
 from outbox.status import read_held_keys, read_status
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
-from publisher.reconciler import Reconciler, ReconcileReport
+from publisher.reconciler import (
+    HELD_BACK_NOTE_AFTER,
+    Reconciler,
+    ReconcileReport,
+    held_back_note,
+)
 from publisher.scanner import KafkaLogScanner, Scan, ScanIncomplete
 from publisher.store import Settlement
 from tests.support import (
@@ -797,6 +802,51 @@ def test_the_status_and_held_keys_views_give_the_waiting_note_as_the_next_action
         [line] = [line for line in read_status(conn) if line.state == "uncertain" and line.topic]
     assert key.reason == f"uncertain, escalated: {note}"
     assert line.next_action.startswith("1 escalated: the evidence in Kafka is gone")
+
+
+def test_a_transaction_left_open_below_a_range_is_named_on_its_message(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """Another producer's transaction, open below where an uncertain message's record may
+    be, holds read_committed reads back: once it has held them a minute the message says
+    so (last_error, and inspect's next action points to it); once it is aborted, the
+    message is decided as any other."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(kafka_bootstrap, topic, partitions=1)
+    other = TransactionalSession(kafka_bootstrap, f"other-{uuid.uuid4()}")
+    store = claiming_store(database_url)
+    scanner = KafkaLogScanner(kafka_bootstrap)
+    try:
+        assert other.send(topic, 0, uuid.uuid4()) == 0  # left open
+        message_id = _enqueue(database_url, topic)
+        assert make_uncertain(database_url, partitions=1) == {message_id: 0}
+        now = [0.0]
+        reconciler = Reconciler(store, scanner, "test", absence_grace=0, clock=lambda: now[0])
+        assert reconciler.run_once().deferred == [message_id]
+        attempt_error = _message(database_url, message_id)[-1]
+        assert not attempt_error.startswith(WAITING_NOTE)  # a transaction may be short
+
+        now[0] += HELD_BACK_NOTE_AFTER
+        report = reconciler.run_once()
+        note = held_back_note(topic, 0, 0)
+        assert report.waiting == {note: 1}
+        assert _message(database_url, message_id)[-1] == note
+        running = claiming_store(database_url)  # a publisher holding lanes: one is running
+        try:
+            with psycopg.connect(database_url) as conn:
+                timeline = read_timeline(conn, message_id)
+        finally:
+            running.close()
+        assert timeline is not None
+        assert timeline.next_action.startswith("do what its last error says: ")
+
+        other.abort()
+        assert reconciler.run_once().pending == [message_id]
+        assert _message(database_url, message_id)[-1].startswith("proven absent: ")
+    finally:
+        other.close()
+        scanner.close()
+        store.close()
 
 
 def test_a_fence_that_cannot_reach_the_broker_gives_up_within_its_timeout() -> None:

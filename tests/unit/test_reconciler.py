@@ -16,8 +16,8 @@ from dataclasses import replace
 import pytest
 from kafka import errors as kafka_errors
 
-from outbox.states import State
-from publisher.reconciler import Reconciler
+from outbox.states import WAITING_NOTE, State
+from publisher.reconciler import HELD_BACK_NOTE_AFTER, Reconciler, held_back_note
 from publisher.scanner import EvidenceLost, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
@@ -454,6 +454,50 @@ def test_an_open_transaction_below_the_end_defers_the_decision(*, transactional:
     scanner.stable = 10  # the other transaction has ended
     assert reconciler.run_once().pending == [message.id]
     assert scanner.scans == [(3, 6), (6, 10)]
+
+
+def test_a_transaction_that_holds_the_reads_back_for_a_minute_is_named_on_its_messages() -> None:
+    """A transaction open for longer than a publisher's own (another producer's, left
+    hanging) keeps read_committed reads below it: its messages say so in their last_error
+    once it has held them for HELD_BACK_NOTE_AFTER; the note goes when the reads go on."""
+    message = _uncertain(confirmed=2)
+    other = replace(_uncertain(confirmed=7), seq=2)  # its whole range lies past it
+    now = [0.0]
+    scanner = FakeScanner(records=[], log=(0, 10), stable=6)
+    store = FakeStore([message, other])
+    reconciler = Reconciler(store, scanner, "test", clock=lambda: now[0])
+
+    first = reconciler.run_once()
+    assert set(first.deferred) == {message.id, other.id}
+    assert (first.waiting, store.notes) == ({}, {})  # a transaction may be short
+    now[0] = HELD_BACK_NOTE_AFTER - 1
+    assert reconciler.run_once().waiting == {}
+    now[0] = HELD_BACK_NOTE_AFTER
+    held = reconciler.run_once()
+    note = held_back_note(TOPIC, 0, 6)
+    assert note.startswith(WAITING_NOTE)
+    assert "orders[0] since offset 6" in note
+    assert held.waiting == {note: 2}
+    assert store.notes == {message.id: note, other.id: note}
+
+    scanner.stable = 8  # that transaction ended; another holds the reads at 8, for now
+    assert reconciler.run_once().waiting == {}
+    assert store.notes == {}
+    now[0] += HELD_BACK_NOTE_AFTER
+    assert reconciler.run_once().waiting == {held_back_note(TOPIC, 0, 8): 2}
+    scanner.stable = None  # it ended too
+    assert set(reconciler.run_once().pending) == {message.id, other.id}
+    assert scanner.scans == [(3, 6), (6, 8), (8, 10)]
+
+
+def test_a_note_left_by_an_earlier_process_goes_at_the_first_read() -> None:
+    """A held-back note written before a restart is taken off once the reads go on."""
+    message = _uncertain(confirmed=2)
+    scanner = FakeScanner(records=[], log=(0, 10), stable=6)
+    store = FakeStore([message])
+    store.notes[message.id] = held_back_note(TOPIC, 0, 3)
+    assert Reconciler(store, scanner, "test").run_once().deferred == [message.id]
+    assert store.notes == {}
 
 
 def test_a_session_is_fenced_once() -> None:
