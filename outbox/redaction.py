@@ -285,7 +285,8 @@ LIBPQ_CHOICES: dict[str, tuple[str, ...]] = {
 
 def libpq_choice_problem(parts: Mapping[str, object]) -> str | None:
     """What libpq would refuse in ``parts`` (a parsed connection string) at connecting:
-    a setting of ``LIBPQ_CHOICES`` given a word it does not take; ``None`` if none.
+    a setting of ``LIBPQ_CHOICES`` given a word it does not take, or a
+    ``connect_timeout`` that is not a number; ``None`` if none.
 
     The words are not secrets: the value is quoted, with the words libpq takes.
     """
@@ -293,6 +294,13 @@ def libpq_choice_problem(parts: Mapping[str, object]) -> str | None:
         value = parts.get(name)
         if value is not None and value not in words:
             return f"sets {name}={str(value)!r} (libpq takes {', '.join(words)})"
+    timeout = parts.get("connect_timeout")
+    if timeout is not None:
+        # psycopg reads it before connecting, as a number of seconds.
+        try:
+            float(str(timeout))
+        except ValueError:
+            return f"sets connect_timeout={str(timeout)!r} (a number of seconds)"
     return None
 
 

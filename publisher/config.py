@@ -58,6 +58,10 @@ WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
 #: covers that with a margin.
 DEFAULT_ABSENCE_GRACE = 60.0
 
+#: The largest value a numeric setting takes: seconds (every float setting) up
+#: to a year, counts and milliseconds up to Kafka's (and PostgreSQL's) int32.
+_LARGEST: dict[type, int] = {float: 365 * 24 * 3600, int: 2**31 - 1}
+
 #: How a publisher delivers (``--delivery``); see docs/guarantees.md.
 DELIVERY_MODES = ("idempotent", "transactional")
 
@@ -368,6 +372,19 @@ class PublisherConfig:
                 "log_format",
                 f"log format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}",
             )
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            most = _LARGEST.get(setting.kind) if setting.name != "http_port" else None
+            if most is not None and value > most:
+                # Past what the clocks, PostgreSQL's columns or Kafka's int32
+                # fields can hold: refused here, not at the first claim.
+                unit, shown = (
+                    (" seconds", f"{value:g}") if setting.kind is float else ("", f"{value:,}")
+                )
+                problem(
+                    setting.name,
+                    f"{setting.name.replace('_', ' ')} must be at most {most:,}{unit}, got {shown}",
+                )
         problems += kafka_security_problems(self)
         return problems
 
@@ -490,9 +507,21 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
                 problem(name, f"{flag} {path}: {trouble}")
     for name in ("kafka_sasl_password_file", "kafka_ssl_key_password_file"):
         path = getattr(config, name)
-        if path and not _unreadable(path) and not read_secret_file(path):
-            problem(name, f"--{name.replace('_', '-')} {path}: the file is empty")
+        if path and not _unreadable(path) and (trouble := _secret_file_problem(path)):
+            problem(name, f"--{name.replace('_', '-')} {path}: {trouble}")
     return problems
+
+
+def _secret_file_problem(path: str) -> str | None:
+    """Why the readable file ``path`` holds no secret ``read_secret_file`` can use, or None."""
+    try:
+        if read_secret_file(path):
+            return None
+    except UnicodeDecodeError:
+        return "its first line is not UTF-8"
+    if Path(path).stat().st_size == 0:
+        return "the file is empty"
+    return "its first line is empty (the secret is read from the first line)"
 
 
 def _unreadable(path: str) -> str | None:
@@ -854,6 +883,8 @@ def read_config_file(path: str, only: Collection[str] | None = None) -> ConfigFi
             document = tomllib.load(f)
     except OSError as exc:
         return ConfigFile(problems=[f"config file {path}: cannot be read: {exc.strerror or exc}"])
+    except UnicodeDecodeError:
+        return ConfigFile(problems=[f"config file {path}: not UTF-8 (TOML files are UTF-8)"])
     except tomllib.TOMLDecodeError as exc:
         return ConfigFile(problems=[f"config file {path}: not valid TOML: {exc}"])
     return _typed(document, f"config file {path}: ", "key", only)

@@ -299,6 +299,43 @@ def test_a_missing_or_broken_config_file_is_a_problem(tmp_path: Path) -> None:
     assert "line 1" in problem
 
 
+def test_a_config_file_that_is_not_utf8_is_a_problem(tmp_path: Path) -> None:
+    """A file written in UTF-16 (as some editors and shells do) is named, not a traceback."""
+    path = tmp_path / "utf16.toml"
+    path.write_text("batch_size = 3\n", encoding="utf-16")
+    assert _refusal(["--config", str(path)], BASE_ENV) == [
+        f"config file {path}: not UTF-8 (TOML files are UTF-8)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ({"lease_seconds": 1e20}, "lease seconds must be at most 31,536,000 seconds, got 1e+20"),
+        (
+            {"recovery_interval": 1e10},
+            "recovery interval must be at most 31,536,000 seconds, got 1e+10",
+        ),
+        ({"batch_size": 10**20}, f"batch size must be at most 2,147,483,647, got {10**20:,}"),
+        ({"max_block_ms": 2**31}, "max block ms must be at most 2,147,483,647, got 2,147,483,648"),
+    ],
+)
+def test_a_number_past_what_clocks_columns_or_kafka_hold_is_refused(
+    overrides: dict[str, Any], problem: str
+) -> None:
+    """Huge values were accepted, then failed at run time: a lease past what a timestamp
+    holds, a batch size past a bigint, a timeout past Kafka's int32 (after charging the
+    claimed messages a failure), an interval past what a thread can wait."""
+    assert problem in _problems_of(replace(VALID, **overrides))
+
+
+def test_the_largest_values_are_accepted() -> None:
+    """A year of seconds and Kafka's largest int32 are still accepted."""
+    replace(
+        VALID, reconcile_interval=365 * 24 * 3600.0, max_attempts=2**31 - 1, batch_size=2**31 - 1
+    ).validate()
+
+
 @pytest.mark.parametrize(
     ("url", "fragment"),
     [

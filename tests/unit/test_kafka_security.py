@@ -229,6 +229,25 @@ def test_a_key_password_without_a_key_and_an_empty_key_password_file_are_refused
     assert f"--kafka-ssl-key-password-file {empty}: the file is empty" in text
 
 
+def test_a_password_file_whose_first_line_is_blank_or_not_utf8_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The secret is the file's first line: a blank one, or bytes that are not UTF-8 (a
+    file saved as UTF-16), is named at start, not a traceback or an empty password."""
+    blank = tmp_path / "blank"
+    blank.write_text("\nthe password on the second line\n")
+    utf16 = tmp_path / "utf16"
+    utf16.write_text("password\n", encoding="utf-16")
+    tls = {**BASE, "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SSL", "OUTBOX_KAFKA_SSL_KEYFILE": ""}
+    for path, problem in (
+        (blank, "its first line is empty (the secret is read from the first line)"),
+        (utf16, "its first line is not UTF-8"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            resolve({"kafka_ssl_key_password_file": str(path)}, tls)
+        assert f"--kafka-ssl-key-password-file {path}: {problem}" in str(refused.value)
+
+
 def test_unreadable_files_are_named_at_start(tmp_path: Path) -> None:
     """A CA file or password file that cannot be read is a configuration error naming it."""
     missing = tmp_path / "nope.pem"
