@@ -103,6 +103,15 @@ def config_from_args(
     return resolve(given, environ, config_file, only={s.name for s in _SETTINGS})
 
 
+def _say(line: str) -> None:
+    """Print a line of the report. A reader that went away (``| head``) does not stop the
+    work: what is left to print goes nowhere, and the passes go on to their end."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
     database_url, kafka_bootstrap = config.database_url, config.kafka_bootstrap
     # Refused credentials end the command before anything is moved.
@@ -116,7 +125,7 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
         while recovered := store.recover_expired_leases():  # a page of batches at a time
             moved += recovered
         to_pending = sum(1 for r in moved if r.state is State.PENDING)
-        print(
+        _say(
             f"expired leases recovered: {len(moved)} "
             f"({to_pending} pending, {len(moved) - to_pending} uncertain)"
         )
@@ -128,13 +137,13 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
             fencer=KafkaFencer(kafka_bootstrap, security=security),
         )
         for report in reconciler.run_cycle():
-            print(
+            _say(
                 f"reconciled: {len(report.delivered)} delivered, {len(report.pending)} pending "
                 f"(proven absent), {len(report.escalated)} escalated, "
                 f"{len(report.deferred)} deferred"
             )
             for note, count in report.waiting.items():
-                print(f"  {count} of them: {note}")
+                _say(f"  {count} of them: {note}")
         with connect(database_url) as conn:
             row = conn.execute(query("uncertain_left"), {"grace": config.absence_grace}).fetchone()
     finally:
@@ -142,18 +151,18 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
         store.close()
     escalated, waiting, until, other = row or (0, 0, None, 0)
     if escalated:
-        print(
+        _say(
             f"{escalated} escalated: the evidence cannot decide them; decide each with "
             "`outbox resolve` (`outbox list --state uncertain` shows why)"
         )
     if waiting and until is not None:
-        print(
+        _say(
             f"{waiting} wait for their write deadline and the absence grace, until "
             f"{until.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC at the latest: run this again "
             "then, or leave them to a running publisher"
         )
     if other:
-        print(
+        _say(
             f"{other} undecided for now: their last_error says why "
             "(`outbox list --state uncertain`)"
         )

@@ -377,6 +377,32 @@ def test_reconcile_command_decides_found_and_absent_messages(
     assert all(d[1].endswith("(outbox-publisher reconcile)") for d in decisions)
 
 
+def test_reconcile_command_whose_reader_went_away_still_decides_everything(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """Its output piped to a reader that stopped reading (``| head -0``): no traceback, and
+    the passes go on to their end (the first line broke the pipe, after the leases were
+    recovered and before anything was reconciled)."""
+    absent = _enqueue(database_url, topic)
+    make_uncertain(database_url)
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # the reader is gone before the first line
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "publisher", "reconcile", "--database-url", database_url,
+             "--kafka-bootstrap", kafka_bootstrap, "--absence-grace", "0"],
+            stdout=write_fd,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write_fd)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert _state(database_url, absent)[0] == "pending"
+
+
 def test_reconcile_command_says_until_when_a_message_waits_for_the_absence_grace(
     database_url: str, kafka_bootstrap: str, topic: str
 ) -> None:
