@@ -50,7 +50,7 @@ DEFAULT_BATCH_SIZE = 1000
 #: The shortest delivered window a purge accepts. A delivered message may be
 #: the evidence that its key moved on past an earlier uncertain one, which the
 #: reconciler decides only after the sender's write deadline and the absence
-#: grace (with the publisher's defaults, 60 s + 30 s). Purge keeps such a
+#: grace (with the publisher's defaults, 60 s + 60 s). Purge keeps such a
 #: message while the earlier one is open anyway (see purge_delivered); this
 #: floor is the second line, with room for longer Kafka timeouts. A publisher
 #: refuses a window shorter than its own write deadline plus absence grace.
