@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 import uuid
@@ -37,6 +36,7 @@ from outbox.migrations import (
 )
 from outbox.operator import (
     Resolution,
+    check_resolution,
     discard,
     resolve,
     retry,
@@ -49,7 +49,14 @@ from outbox.redaction import (
     connect_errors_redacted,
     scrub,
 )
-from outbox.retention import DEFAULT_BATCH_SIZE, DEFAULT_EVIDENCE_AGE, parse_duration, purge
+from outbox.retention import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_EVIDENCE_AGE,
+    check_windows,
+    evidence_age_for,
+    parse_duration,
+    purge,
+)
 from outbox.roles import RoleNames, create_roles, granted_roles
 from outbox.states import State
 from outbox.status import read_held_keys, read_status
@@ -71,11 +78,35 @@ RECONCILE_MOVED = (
 _JSON_HELP = "print JSON instead of a table (the format is stable; see docs/operations.md)"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+#: The largest count a command takes (PostgreSQL's integer, Kafka's partition number).
+_INT32_MAX = 2**31 - 1
+#: The largest offset (PostgreSQL's bigint, Kafka's offset).
+_INT64_MAX = 2**63 - 1
+#: The longest lock timeout PostgreSQL takes (``lock_timeout`` is in int32 milliseconds).
+_LONGEST_LOCK_TIMEOUT = _INT32_MAX // 1000
+
+
+def _whole(text: str, least: int, most: int) -> int:
+    """``text`` as a whole number from ``least`` to ``most``, or a usage error saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not least <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be from {least} to {most:,}, got {value:,}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1, _INT32_MAX)
+
+
+def _partition(text: str) -> int:
+    return _whole(text, 0, _INT32_MAX)
+
+
+def _offset(text: str) -> int:
+    return _whole(text, 0, _INT64_MAX)
 
 
 def _positive_seconds(text: str) -> float:
@@ -83,8 +114,10 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from exc
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, and finite, got {text}")
+    if not 0 < value <= _LONGEST_LOCK_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 seconds and at most {_LONGEST_LOCK_TIMEOUT:,}, got {text}"
+        )
     return value
 
 
@@ -234,10 +267,10 @@ def _parser() -> argparse.ArgumentParser:
     purge_cmd.add_argument(
         "--evidence-older-than",
         type=_duration,
-        default=DEFAULT_EVIDENCE_AGE,
         metavar="AGE",
         help="delete the evidence (attempts, decisions, batches) of purged messages once it is "
-        f"this old; never while its message is kept (default {DEFAULT_EVIDENCE_AGE.days}d)",
+        "this old; never while its message is kept (default "
+        f"{DEFAULT_EVIDENCE_AGE.days}d, or --delivered-older-than if longer)",
     )
     purge_cmd.add_argument(
         "--batch-size",
@@ -285,10 +318,10 @@ def _parser() -> argparse.ArgumentParser:
     _fence_argument(resolve_cmd, "required with --delivered and --pending")
     resolve_cmd.add_argument(
         "--partition",
-        type=int,
+        type=_partition,
         help="with --delivered: where it is (the partition inspect shows, when it shows one)",
     )
-    resolve_cmd.add_argument("--offset", type=int, help="with --delivered: its offset")
+    resolve_cmd.add_argument("--offset", type=_offset, help="with --delivered: its offset")
     resolve_cmd.add_argument(
         "--force-before-deadline",
         action="store_true",
@@ -358,6 +391,8 @@ def _fence(text: str) -> int:
         ) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a fence is never negative, got {value}")
+    if value > _INT64_MAX:
+        raise argparse.ArgumentTypeError(f"a fence is at most {_INT64_MAX:,}, got {value:,}")
     return value
 
 
@@ -402,13 +437,7 @@ def _migrate(args: argparse.Namespace) -> int:
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "none"
         print(f"schema at version {version}; applied now: {names}")
         if args.create_roles:
-            defaults = RoleNames()
-            roles = RoleNames(
-                args.writer_role or defaults.writer,
-                args.publisher_role or defaults.publisher,
-                args.operator_role or defaults.operator,
-            )
-            for line in create_roles(conn, roles).lines():
+            for line in create_roles(conn, _role_names(args)).lines():
                 print(line)
         elif applied and (granted := granted_roles(conn)):
             print(
@@ -417,6 +446,48 @@ def _migrate(args: argparse.Namespace) -> int:
                 "their names) to renew them"
             )
     return EXIT_OK
+
+
+def _role_names(args: argparse.Namespace) -> RoleNames:
+    """The role names ``migrate --create-roles`` was given, the defaults for the others."""
+    defaults = RoleNames()
+    return RoleNames(
+        *(
+            default if given is None else given
+            for given, default in (
+                (args.writer_role, defaults.writer),
+                (args.publisher_role, defaults.publisher),
+                (args.operator_role, defaults.operator),
+            )
+        )
+    )
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command's arguments themselves, found before connecting (the
+    checks the library repeats when it is called), or ``None``."""
+    try:
+        if args.command == "purge":
+            evidence = args.evidence_older_than or evidence_age_for(args.delivered_older_than)
+            check_windows(args.delivered_older_than, evidence, args.batch_size)
+        elif args.command == "resolve":
+            check_resolution(
+                args.message_id,
+                args.resolution,
+                fence=args.fence,
+                partition=args.partition,
+                offset=args.offset,
+                force_before_deadline=args.force_before_deadline,
+            )
+        elif args.command == "retry" and args.quarantined and args.fence is not None:
+            return "--fence goes with one message ID, not with --quarantined"
+        elif args.command == "retry" and args.topic and not args.quarantined:
+            return "--topic only goes with --quarantined"
+        elif args.command == "migrate" and args.create_roles:
+            return _role_names(args).problem()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -490,8 +561,6 @@ def _resolve(args: argparse.Namespace) -> int:
 
 
 def _retry(args: argparse.Namespace) -> int:
-    if args.quarantined and args.fence is not None:
-        raise OutboxError("--fence goes with one message ID, not with --quarantined")
     with _connect_to_decide(args) as conn:
         if args.quarantined:
             try:
@@ -501,8 +570,6 @@ def _retry(args: argparse.Namespace) -> int:
             scope = f" of topic {args.topic}" if args.topic else ""
             print(f"{len(ids)} quarantined message(s){scope} -> pending ({args.reason})")
             return EXIT_OK
-        if args.topic:
-            raise OutboxError("--topic only goes with --quarantined")
         try:
             before = retry(conn, args.message_id, args.reason, fence=args.fence)
         except ValueError as exc:
@@ -577,6 +644,9 @@ def _main(argv: Sequence[str] | None) -> int:
             args.command_parser.error(
                 f"{', '.join(named)} {verb} only with --create-roles: nothing else reads it"
             )
+    problem = _usage_problem(args)
+    if problem:
+        args.command_parser.error(problem)
     url = args.database_url
     try:
         check_conninfo(url)

@@ -135,6 +135,41 @@ def resolve(
     ``ValueError`` for an empty reason, a missing fence, or a location that
     is half given or negative.
     """
+    check_resolution(
+        message_id,
+        resolution,
+        fence=fence,
+        partition=partition,
+        offset=offset,
+        force_before_deadline=force_before_deadline,
+    )
+    return _decide(
+        conn,
+        message_id,
+        State(resolution.value),
+        RESOLVABLE,
+        reason,
+        fence=fence,
+        partition=partition,
+        offset=offset,
+        force_before_deadline=force_before_deadline,
+        decided_by=decided_by,
+        action="resolved",
+    )
+
+
+def check_resolution(
+    message_id: uuid.UUID,
+    resolution: Resolution,
+    *,
+    fence: int | None = None,
+    partition: int | None = None,
+    offset: int | None = None,
+    force_before_deadline: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming what ``resolve`` would refuse in these arguments
+    themselves, before it reads anything: a location half given, negative or not
+    with ``DELIVERED``, a missing fence, an override that goes with nothing."""
     if resolution is not Resolution.DELIVERED and (partition is not None or offset is not None):
         raise ValueError("--partition and --offset only go with --delivered")
     if (partition is None) is not (offset is None):
@@ -151,19 +186,6 @@ def resolve(
         )
     if force_before_deadline and resolution not in (Resolution.PENDING, Resolution.DISCARD):
         raise ValueError("--force-before-deadline only goes with --pending or --discard")
-    return _decide(
-        conn,
-        message_id,
-        State(resolution.value),
-        RESOLVABLE,
-        reason,
-        fence=fence,
-        partition=partition,
-        offset=offset,
-        force_before_deadline=force_before_deadline,
-        decided_by=decided_by,
-        action="resolved",
-    )
 
 
 def retry(

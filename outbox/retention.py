@@ -109,21 +109,18 @@ class PurgeReport:
     steps: int = 0
 
 
-def purge(
-    conn: psycopg.Connection[Any],
-    *,
-    delivered_older_than: timedelta,
-    evidence_older_than: timedelta = DEFAULT_EVIDENCE_AGE,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    dry_run: bool = False,
-    should_stop: Callable[[], bool] = lambda: False,
-) -> PurgeReport:
-    """Delete what retention allows, ``batch_size`` rows per transaction; return the counts.
+def evidence_age_for(delivered_older_than: timedelta) -> timedelta:
+    """The evidence window when none is given: ``DEFAULT_EVIDENCE_AGE``, or the delivered
+    window when that is longer (evidence never goes before the messages it explains)."""
+    return max(DEFAULT_EVIDENCE_AGE, delivered_older_than)
 
-    ``conn`` is committed after every step, so pass a connection of your own,
-    not one in the middle of a business transaction. ``should_stop`` is asked
-    between steps (the publisher stops a purge when it is asked to stop).
-    """
+
+def check_windows(
+    delivered_older_than: timedelta,
+    evidence_older_than: timedelta,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> None:
+    """Raise ``ValueError`` naming what is wrong with these purge settings, before any SQL."""
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     for name, age in (
@@ -146,6 +143,28 @@ def purge(
             f"window ({_words(delivered_older_than)}): evidence must not go before the messages "
             "it explains"
         )
+
+
+def purge(
+    conn: psycopg.Connection[Any],
+    *,
+    delivered_older_than: timedelta,
+    evidence_older_than: timedelta | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    dry_run: bool = False,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> PurgeReport:
+    """Delete what retention allows, ``batch_size`` rows per transaction; return the counts.
+
+    ``conn`` is committed after every step, so pass a connection of your own,
+    not one in the middle of a business transaction. ``should_stop`` is asked
+    between steps (the publisher stops a purge when it is asked to stop).
+    Without ``evidence_older_than``, evidence goes after ``evidence_age_for``
+    the delivered window. Settings ``check_windows`` refuses raise ``ValueError``.
+    """
+    if evidence_older_than is None:
+        evidence_older_than = evidence_age_for(delivered_older_than)
+    check_windows(delivered_older_than, evidence_older_than, batch_size)
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)
     locked = conn.execute(query("purge_lock"), (PURGE_LOCK_KEY,)).fetchone()

@@ -53,6 +53,16 @@ class RoleNames:
         """``{"writer": name, "publisher": name, "operator": name}``."""
         return {"writer": self.writer, "publisher": self.publisher, "operator": self.operator}
 
+    def problem(self) -> str | None:
+        """What makes these names unfit to be the three roles (empty, or not three
+        different names), or ``None``."""
+        given = list(self.by_purpose().values())
+        if not all(name.strip() for name in given):
+            return f"a role name is empty, got {given}"
+        if len(set(given)) != len(given):
+            return f"the writer, publisher and operator roles must differ, got {given}"
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class RolesReport:
@@ -98,9 +108,10 @@ def grant_statements(names: RoleNames) -> list[sql.Composed]:
 def _check_names(conn: psycopg.Connection[Any], names: RoleNames) -> str:
     """The owner of the outbox tables, if the current user may grant on them and the
     names are fit to be these roles; ``OutboxError`` saying why not otherwise."""
+    problem = names.problem()
+    if problem:
+        raise OutboxError(problem)
     given = list(names.by_purpose().values())
-    if len(set(given)) != len(given):
-        raise OutboxError(f"the writer, publisher and operator roles must differ, got {given}")
     row = conn.execute(query("outbox_tables_owner")).fetchone()
     if row is None:
         raise OutboxError("the outbox tables are missing: run `outbox migrate` first")

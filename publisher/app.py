@@ -95,7 +95,9 @@ def build_publisher(
             config.database_url,
             interval=config.purge_interval,
             delivered_older_than=parse_duration(config.purge_delivered_after),
-            evidence_older_than=parse_duration(config.purge_evidence_after),
+            evidence_older_than=(
+                parse_duration(config.purge_evidence_after) if config.purge_evidence_after else None
+            ),
             on_report=publisher.metrics.count_purge,
         )
     return publisher

@@ -139,8 +139,9 @@ class PublisherConfig:
     #: Retention: delete delivered messages older than this (``7d``; see
     #: ``outbox purge``); empty leaves them all in place.
     purge_delivered_after: str = ""
-    #: Retention: delete the evidence of purged messages once it is this old.
-    purge_evidence_after: str = "30d"
+    #: Retention: delete the evidence of purged messages once it is this old; empty:
+    #: 30 days, or ``purge_delivered_after`` when that is longer.
+    purge_evidence_after: str = ""
     #: Seconds between two retention passes (when ``purge_delivered_after`` is set).
     purge_interval: float = 3600.0
     log_level: str = "INFO"
@@ -297,7 +298,7 @@ class PublisherConfig:
         windows = {}
         for name in ("purge_delivered_after", "purge_evidence_after"):
             text = getattr(self, name)
-            if text or name == "purge_evidence_after":
+            if text:
                 try:
                     windows[name] = parse_duration(text)
                 except ValueError as exc:
@@ -725,8 +726,8 @@ SETTINGS: tuple[Setting, ...] = (
             "units s, m, h, d, w; at least the write deadline plus the absence grace, and 5m); "
             "unset keeps them", "retention", unset="off", metavar="AGE", off=True),
     Setting("purge_evidence_after", str, "delete the evidence of purged messages once it is "
-            "this old (never while its message is kept)",
-            "retention", metavar="AGE"),
+            "this old (never while its message is kept; at least --purge-delivered-after)",
+            "retention", unset="30d, or --purge-delivered-after if longer", metavar="AGE"),
     Setting("purge_interval", float, "seconds between retention passes", "retention",
             metavar="SECONDS"),
     Setting("log_level", str, "DEBUG, INFO, WARNING or ERROR", "logs", normalise="upper",

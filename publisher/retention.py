@@ -35,7 +35,7 @@ class RetentionRunner(BackgroundService):
         *,
         interval: float,
         delivered_older_than: timedelta,
-        evidence_older_than: timedelta,
+        evidence_older_than: timedelta | None,
         batch_size: int = DEFAULT_BATCH_SIZE,
         on_report: Callable[[PurgeReport], None] | None = None,
     ) -> None:

@@ -46,7 +46,7 @@ COMMANDS = [
     ("list", "--state", "pending", "--json"),
     ("inspect", str(uuid.uuid4()), "--json"),
     ("migrate", "--create-roles"),
-    ("resolve", str(uuid.uuid4()), "--pending", "--reason", "r"),
+    ("resolve", str(uuid.uuid4()), "--pending", "--fence", "0", "--reason", "r"),
     ("purge", "--delivered-older-than", "1d", "--json"),
 ]
 

@@ -272,6 +272,20 @@ def _assert_refused(
     assert _decisions(database_url) == []
 
 
+def _assert_usage_error(
+    result: subprocess.CompletedProcess[str], database_url: str, before: list[tuple[Any, ...]]
+) -> None:
+    """Refused for its arguments alone, before connecting: the command's usage and the
+    error, exit 2, nothing changed."""
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("usage: outbox resolve ")
+    assert result.stderr.splitlines()[-1].startswith("outbox resolve: error: ")
+    assert "Traceback" not in result.stderr
+    assert fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq") == before
+    assert _decisions(database_url) == []
+
+
 def test_resolve_refuses_a_pending_message_naming_its_state(database_url: str) -> None:
     """Resolving a pending message exits 2 and says it is pending."""
     message_id = _enqueue(database_url)
@@ -321,7 +335,7 @@ def test_resolve_refuses_an_offset_with_pending(database_url: str) -> None:
     result = _outbox(
         "resolve", str(message_id), "--pending", "--offset", "3", "--reason", "x", url=database_url
     )
-    _assert_refused(result, database_url, before)
+    _assert_usage_error(result, database_url, before)
     assert "only go with --delivered" in result.stderr
 
 
@@ -330,8 +344,9 @@ def test_resolve_refuses_an_offset_with_pending(database_url: str) -> None:
     [
         (["--offset", "5"], "go together"),
         (["--partition", "1"], "go together"),
-        (["--partition", "-1", "--offset", "5"], "must be 0 or more"),
-        (["--partition", "0", "--offset", "-7"], "must be 0 or more"),
+        (["--partition", "-1", "--offset", "5"], "--partition: must be from 0 to"),
+        (["--partition", "0", "--offset", "-7"], "--offset: must be from 0 to"),
+        (["--partition", "2147483648", "--offset", "0"], "--partition: must be from 0 to"),
     ],
 )
 def test_resolve_delivered_refuses_a_location_half_given_or_negative(
@@ -348,7 +363,7 @@ def test_resolve_delivered_refuses_a_location_half_given_or_negative(
         "resolve", str(message_id), "--delivered", "--fence", str(fence), *location,
         "--reason", "seen in the topic", url=database_url,
     )  # fmt: skip
-    _assert_refused(result, database_url, before)
+    _assert_usage_error(result, database_url, before)
     assert says in result.stderr
 
 
@@ -551,7 +566,7 @@ def test_resolve_pending_or_delivered_without_a_fence_is_refused(database_url: s
     before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
     for flag in ("--pending", "--delivered"):
         result = _outbox("resolve", str(message_id), flag, "--reason", "x", url=database_url)
-        _assert_refused(result, database_url, before)
+        _assert_usage_error(result, database_url, before)
         assert f"{flag} needs --fence N" in result.stderr
         assert f"outbox inspect {message_id}" in result.stderr
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import fields, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from outbox.errors import OutboxError
+from outbox.retention import DEFAULT_EVIDENCE_AGE, evidence_age_for
 from publisher.cli import config_from_args
 from publisher.config import SETTINGS, ConfigError, PublisherConfig, config_from_values
 from publisher.reconcile_cli import config_from_args as reconcile_config
@@ -511,3 +513,15 @@ def test_python_values_take_paths_and_none_and_name_other_types(tmp_path: Path) 
     assert config.batch_size == PublisherConfig.batch_size
     with pytest.raises(ConfigError, match=r"batch_size = b'10' is a bytes, expected an integer"):
         config_from_values({**base, "batch_size": b"10"})
+
+
+def test_a_delivered_window_past_30_days_needs_no_evidence_window() -> None:
+    """The evidence window defaults to 30 days, or to the delivered window when that is
+    longer: a longer delivered window alone was refused for the default evidence window."""
+    replace(VALID, purge_delivered_after="60d").validate()
+    assert evidence_age_for(timedelta(days=60)) == timedelta(days=60)
+    assert evidence_age_for(timedelta(days=7)) == DEFAULT_EVIDENCE_AGE == timedelta(days=30)
+    (problem,) = _problems_of(
+        replace(VALID, purge_delivered_after="60d", purge_evidence_after="30d")
+    )
+    assert "purge evidence after (30d) must be at least purge delivered after (60d)" in problem
