@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
+from types import MappingProxyType
 from typing import NoReturn
 from urllib.parse import unquote
 
@@ -328,12 +329,22 @@ class SecretSafeArgumentParser(argparse.ArgumentParser):
     was expected): passwords in such values are hidden, as ``redact`` does.
     """
 
+    #: Words shown as typed among unrecognized arguments (command names, never secrets),
+    #: each with what to say when it is there.
+    known_words: Mapping[str, str] = MappingProxyType({})
+
     def error(self, message: str) -> NoReturn:
         """Print the usage and the message, values of unrecognized arguments left out and
         passwords hidden."""
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
             words = message[len(prefix) :].split()
-            shown = [w.split("=", 1)[0] if w.startswith("-") else "..." for w in words]
+            shown = [
+                w.split("=", 1)[0] if w.startswith("-") else w if w in self.known_words else "..."
+                for w in words
+            ]
             message = prefix + " ".join(shown)
+            hints = [self.known_words[w] for w in dict.fromkeys(words) if w in self.known_words]
+            if hints:
+                message += f" ({'; '.join(hints)})"
         super().error(redact(message))

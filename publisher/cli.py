@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         "the default. See docs/publisher.md. `outbox-publisher reconcile` runs one "
         "reconciliation pass now and exits (`outbox-publisher reconcile --help`).",
     )
+    p.known_words = {
+        "reconcile": "reconcile comes first: outbox-publisher reconcile [OPTIONS]",
+    }
     p.add_argument(
         "--config",
         metavar="FILE",

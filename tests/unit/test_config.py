@@ -525,3 +525,29 @@ def test_a_delivered_window_past_30_days_needs_no_evidence_window() -> None:
         replace(VALID, purge_delivered_after="60d", purge_evidence_after="30d")
     )
     assert "purge evidence after (30d) must be at least purge delivered after (60d)" in problem
+
+
+def test_reconcile_after_other_flags_is_named_with_where_it_goes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`outbox-publisher --database-url URL reconcile` said only "unrecognized arguments:
+    ...": the command word is shown (it is no secret) with where it belongs, and a value
+    after it is still not repeated."""
+    with pytest.raises(SystemExit) as exited:
+        config_from_args(
+            [
+                "--database-url",
+                "postgresql://h/db",
+                "reconcile",
+                "--kafka-sasl-password",
+                "hunter2",
+            ],
+            BASE_ENV,
+        )
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "unrecognized arguments: reconcile --kafka-sasl-password ... "
+        "(reconcile comes first: outbox-publisher reconcile [OPTIONS])"
+    ) in err
+    assert "hunter2" not in err
