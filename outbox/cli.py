@@ -635,7 +635,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_ERROR
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if not args.database_url:
+    if not (args.database_url or "").strip():
         args.command_parser.error("no database: pass --database-url or set OUTBOX_DATABASE_URL")
     if args.command == "migrate" and not args.create_roles:
         named = [f"--{p}-role" for p in RoleNames().by_purpose() if getattr(args, f"{p}_role")]

@@ -31,7 +31,15 @@ from outbox.errors import said
 from outbox.migrations import SchemaBehind
 from outbox.redaction import SecretSafeArgumentParser
 from publisher.app import build_app
-from publisher.config import CONFIG_ENV, GROUPS, SETTINGS, ConfigError, PublisherConfig, resolve
+from publisher.config import (
+    CONFIG_ENV,
+    GROUPS,
+    SETTINGS,
+    ConfigError,
+    PublisherConfig,
+    config_file_named,
+    resolve,
+)
 from publisher.faults import Faults, FaultSpecError
 from publisher.kafka_security import KafkaAuthenticationFailed
 from publisher.logs import configure_logging
@@ -80,7 +88,7 @@ def config_from_args(
     """Parse flags, environment and config file into a validated config."""
     environ = os.environ if environ is None else environ
     given = vars(_parser().parse_args(argv))
-    config_file = given.pop("config", None) or environ.get(CONFIG_ENV) or None
+    config_file = config_file_named(given, environ)
     return resolve(given, environ, config_file)
 
 

@@ -766,6 +766,16 @@ SETTINGS: tuple[Setting, ...] = (
 #: The environment variable naming the config file (its flag is ``--config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
 
+
+def config_file_named(given: dict[str, object], environ: Mapping[str, str]) -> str | None:
+    """The config file to read, taking ``config`` out of the parsed flags ``given``:
+    ``--config``'s (given empty: none, whatever ``OUTBOX_CONFIG`` says), else the
+    variable's, else none."""
+    if "config" in given:
+        return str(given.pop("config")) or None
+    return environ.get(CONFIG_ENV) or None
+
+
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

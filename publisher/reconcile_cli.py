@@ -33,7 +33,14 @@ from outbox.operator import operator_name
 from outbox.queries import query
 from outbox.redaction import SecretSafeArgumentParser
 from outbox.states import State
-from publisher.config import CONFIG_ENV, SETTINGS, ConfigError, PublisherConfig, resolve
+from publisher.config import (
+    CONFIG_ENV,
+    SETTINGS,
+    ConfigError,
+    PublisherConfig,
+    config_file_named,
+    resolve,
+)
 from publisher.connector import connect
 from publisher.fencing import KafkaFencer
 from publisher.kafka_security import KafkaAuthenticationFailed, KafkaSecurity, check_login
@@ -99,7 +106,7 @@ def config_from_args(
     ``ConfigError`` naming every problem."""
     environ = os.environ if environ is None else environ
     given = vars(_parser().parse_args(argv))
-    config_file = given.pop("config", None) or environ.get(CONFIG_ENV) or None
+    config_file = config_file_named(given, environ)
     return resolve(given, environ, config_file, only={s.name for s in _SETTINGS})
 
 

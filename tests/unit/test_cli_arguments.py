@@ -145,3 +145,14 @@ def test_arguments_that_cannot_go_together_are_a_usage_error_before_connecting(
     assert last.startswith(f"outbox {argv[0]}: error: ")
     assert said in last
     assert "connection" not in refused.stderr
+
+
+def test_a_blank_database_url_is_no_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUTBOX_DATABASE_URL set to blanks is not a URL: the command says there is none,
+    instead of trying libpq's default socket."""
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "  ")
+    refused = run_outbox_cli("  ", "status")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1] == (
+        "outbox status: error: no database: pass --database-url or set OUTBOX_DATABASE_URL"
+    )

@@ -198,6 +198,19 @@ def test_the_config_file_can_be_named_by_the_environment(tmp_path: Path) -> None
     assert config.http_port == 0
 
 
+def test_an_empty_config_flag_reads_no_file_whatever_the_environment_says(tmp_path: Path) -> None:
+    """A flag beats its variable: ``--config ""`` means no file, not OUTBOX_CONFIG's (for
+    the publisher and for its reconcile command alike)."""
+    path = _write(tmp_path, "batch_size = 7\n")
+    env = {**BASE_ENV, "OUTBOX_CONFIG": path}
+    assert config_from_args([], env).batch_size == 7
+    assert config_from_args(["--config", ""], env).batch_size == PublisherConfig.batch_size
+    path = _write(tmp_path, "absence_grace = 7\n")
+    env = {**BASE_ENV, "OUTBOX_CONFIG": path}
+    assert reconcile_config([], env).absence_grace == 7.0
+    assert reconcile_config(["--config", ""], env).absence_grace == PublisherConfig.absence_grace
+
+
 def test_boolean_flags_beat_the_environment() -> None:
     """--no-auto-create-topics and --exit-when-idle win over what the environment says."""
     env = {**BASE_ENV, "OUTBOX_AUTO_CREATE_TOPICS": "true", "OUTBOX_EXIT_WHEN_IDLE": "no"}
