@@ -21,7 +21,7 @@ import uuid
 
 import outbox
 from outbox.retention import parse_duration
-from publisher.config import PublisherConfig, redact
+from publisher.config import KAFKA_DEFAULT_HIDDEN_SECONDS, PublisherConfig, redact
 from publisher.endpoints import EndpointServer
 from publisher.faults import Faults
 from publisher.fencing import KafkaFencer
@@ -116,6 +116,17 @@ def start_warnings(config: PublisherConfig) -> list[str]:
                 if config.delivery == "transactional"
                 else ""
             )
+        )
+    if (
+        config.delivery == "idempotent"
+        and config.reconcile_interval > 0
+        and config.absence_grace < KAFKA_DEFAULT_HIDDEN_SECONDS
+    ):
+        warnings.append(
+            f"the absence grace ({config.absence_grace:g}s, --absence-grace) is shorter than a "
+            "follower that stopped copying keeps a written record unreadable with Kafka's "
+            f"defaults ({KAFKA_DEFAULT_HIDDEN_SECONDS:g}s, 1.5 times replica.lag.time.max.ms): "
+            "such a record could be proven absent and sent twice"
         )
     return warnings
 

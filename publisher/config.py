@@ -57,6 +57,9 @@ WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
 #: accept the smaller ISR: up to 1.5 times it (45 s) and a round trip. 60 s
 #: covers that with a margin.
 DEFAULT_ABSENCE_GRACE = 60.0
+#: How long a follower that stopped copying can keep a written record unreadable with
+#: Kafka's default replica.lag.time.max.ms (30 s): 1.5 times it.
+KAFKA_DEFAULT_HIDDEN_SECONDS = 45.0
 
 #: The largest value a numeric setting takes: seconds (every float setting) up
 #: to a year, counts and milliseconds up to Kafka's (and PostgreSQL's) int32.

@@ -50,3 +50,16 @@ def test_a_publisher_without_reconciliation_says_so_at_start() -> None:
     assert "unfenced" not in idempotent
     [transactional] = start_warnings(_config(reconcile_interval=0, delivery="transactional"))
     assert transactional.endswith("stay unfenced")
+
+
+def test_an_absence_grace_shorter_than_kafkas_defaults_hide_a_record_says_so_at_start() -> None:
+    """A grace under 1.5 times Kafka's default replica.lag.time.max.ms can prove a written
+    but not yet readable record absent: valid (brokers may be tuned), but said at start,
+    where reconciliation is on and waits out the grace (idempotent delivery)."""
+    [short] = start_warnings(_config(absence_grace=30))
+    assert short.startswith("the absence grace (30s, --absence-grace) is shorter than ")
+    assert "45s, 1.5 times replica.lag.time.max.ms" in short
+    assert start_warnings(_config(absence_grace=45)) == []
+    assert start_warnings(_config(absence_grace=0, delivery="transactional")) == []
+    [off] = start_warnings(_config(absence_grace=0, reconcile_interval=0))
+    assert off.startswith("reconciliation is off")
