@@ -17,6 +17,7 @@ import importlib.util
 import json
 import math
 import os
+import ssl
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -513,7 +514,72 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
         path = getattr(config, name)
         if path and not _unreadable(path) and (trouble := _secret_file_problem(path)):
             problem(name, f"--{name.replace('_', '-')} {path}: {trouble}")
+    if tls and not problems and (trouble := _tls_files_problem(config)):
+        # The files are there: they must load too, said with every other problem.
+        problem("kafka_ssl_cafile kafka_ssl_certfile kafka_ssl_keyfile", trouble)
     return problems
+
+
+def _tls_files_problem(config: PublisherConfig) -> str | None:
+    """Why the TLS files of ``config`` (each readable) do not load, or ``None``."""
+    key_password = config.kafka_ssl_key_password
+    if config.kafka_ssl_key_password_file:
+        key_password = read_secret_file(config.kafka_ssl_key_password_file)
+    try:
+        tls_context(
+            config.kafka_ssl_cafile,
+            config.kafka_ssl_certfile,
+            config.kafka_ssl_keyfile,
+            key_password,
+            check_hostname=config.kafka_ssl_check_hostname,
+        )
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def tls_context(
+    cafile: str, certfile: str, keyfile: str, key_password: str, *, check_hostname: bool
+) -> ssl.SSLContext:
+    """The TLS context of these settings, as kafka-python builds its own.
+
+    Raises ``ConfigError`` naming the setting whose file cannot be used (a
+    CA file with no PEM certificate, a key that does not match its
+    certificate or its password): found at start, not as an outage.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = check_hostname
+    try:
+        if cafile:
+            context.load_verify_locations(cafile=cafile)
+        else:
+            context.load_default_certs()
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"--kafka-ssl-cafile {cafile}: no CA certificate could be loaded "
+            f"from it ({_ssl_reason(exc)}); it must hold PEM certificates"
+        ) from None
+    if certfile:
+        # A password, never None: OpenSSL would ask for an encrypted key's on the terminal.
+        password = key_password or (lambda: b"")
+        try:
+            context.load_cert_chain(certfile, keyfile or None, password)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"--kafka-ssl-certfile {certfile} and --kafka-ssl-keyfile "
+                f"{keyfile}: the client certificate could not be loaded "
+                f"({_ssl_reason(exc)}); check both files (PEM) and the key's password "
+                "(an encrypted key needs OUTBOX_KAFKA_SSL_KEY_PASSWORD or "
+                "--kafka-ssl-key-password-file)"
+            ) from None
+    return context
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    """An ``ssl`` error's reason in a few words (``NO_CERTIFICATE_OR_CRL_FOUND``)."""
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return str(exc.reason)
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 def _secret_file_problem(path: str) -> str | None:

@@ -37,7 +37,7 @@ from kafka import KafkaAdminClient
 from kafka import errors as kafka_errors
 from kafka.net.connection import KafkaConnection
 
-from publisher.config import ConfigError, PublisherConfig, read_secret_file
+from publisher.config import ConfigError, PublisherConfig, read_secret_file, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -91,38 +91,15 @@ class KafkaSecurity:
         return security
 
     def tls_context(self) -> ssl.SSLContext:
-        """The TLS context these settings describe, as kafka-python builds its own.
-
-        Raises ``ConfigError`` naming the setting whose file cannot be used (a
-        CA file with no PEM certificate, a key that does not match its
-        certificate or its password): found at start, not as an outage.
-        """
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = self.ssl_check_hostname
-        try:
-            if self.ssl_cafile:
-                context.load_verify_locations(cafile=self.ssl_cafile)
-            else:
-                context.load_default_certs()
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(
-                f"--kafka-ssl-cafile {self.ssl_cafile}: no CA certificate could be loaded "
-                f"from it ({_ssl_reason(exc)}); it must hold PEM certificates"
-            ) from None
-        if self.ssl_certfile:
-            # A password, never None: OpenSSL would ask for an encrypted key's on the terminal.
-            password = self.ssl_key_password or (lambda: b"")
-            try:
-                context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile or None, password)
-            except (ssl.SSLError, OSError) as exc:
-                raise ConfigError(
-                    f"--kafka-ssl-certfile {self.ssl_certfile} and --kafka-ssl-keyfile "
-                    f"{self.ssl_keyfile}: the client certificate could not be loaded "
-                    f"({_ssl_reason(exc)}); check both files (PEM) and the key's password "
-                    "(an encrypted key needs OUTBOX_KAFKA_SSL_KEY_PASSWORD or "
-                    "--kafka-ssl-key-password-file)"
-                ) from None
-        return context
+        """The TLS context these settings describe, as kafka-python builds its own
+        (``ConfigError`` naming the setting whose file cannot be used)."""
+        return tls_context(
+            self.ssl_cafile,
+            self.ssl_certfile,
+            self.ssl_keyfile,
+            self.ssl_key_password,
+            check_hostname=self.ssl_check_hostname,
+        )
 
     @property
     def sasl(self) -> bool:
@@ -430,13 +407,6 @@ def check_tls(bootstrap_servers: str, security: KafkaSecurity, *, timeout_ms: in
             # Unreachable, or the connection dropped: an outage as far as anyone can
             # tell (a plaintext Kafka listener drops a TLS hello without a word).
             continue
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    """An ``ssl`` error's reason in a few words (``NO_CERTIFICATE_OR_CRL_FOUND``)."""
-    if isinstance(exc, ssl.SSLError) and exc.reason:
-        return str(exc.reason)
-    return getattr(exc, "strerror", None) or str(exc)
 
 
 #: How long one login attempt of ``check_login`` may take to find a broker.

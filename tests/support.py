@@ -887,3 +887,20 @@ def stop_and_wait(
         process.kill()
         process.wait()
         return None
+
+
+#: A CA certificate (self-signed, its key thrown away): a CA file that loads.
+CA_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBwTCCAWegAwIBAgIUEzaSmjqk+egOnvGmaNa2f71AucYwCgYIKoZIzj0EAwIw
+NTEzMDEGA1UEAwwqb3V0Ym94IHVuaXQtdGVzdCBDQSAobm90IHRydXN0ZWQgYW55
+d2hlcmUpMCAXDTI2MTIwMzIwNTk1MFoYDzIxMjYxMTA5MjA1OTUwWjA1MTMwMQYD
+VQQDDCpvdXRib3ggdW5pdC10ZXN0IENBIChub3QgdHJ1c3RlZCBhbnl3aGVyZSkw
+WTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAATr7C6f4lBGZxU+WLEt8EJcZOI8ZaCV
+39Hkef2qBRVy+fbbJenBfMcLiz+sD1/+wpMKS6m0wyw1WTXLmisqlUGco1MwUTAd
+BgNVHQ4EFgQUbQgQv0d/SCATDlKRIkTrelAtde4wHwYDVR0jBBgwFoAUbQgQv0d/
+SCATDlKRIkTrelAtde4wDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNIADBF
+AiBw8clN75qCr2abzZ0mt2wrr0gjjibf0MSIrZ2EVeSZ6gIhAPqu+3k8Ru0snnNY
+1IbhqXMlL/HEhbsHm6ZrmG2hu73U
+-----END CERTIFICATE-----
+"""

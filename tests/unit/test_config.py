@@ -15,6 +15,7 @@ from outbox.retention import DEFAULT_EVIDENCE_AGE, evidence_age_for
 from publisher.cli import config_from_args
 from publisher.config import SETTINGS, ConfigError, PublisherConfig, config_from_values
 from publisher.reconcile_cli import config_from_args as reconcile_config
+from tests.support import CA_PEM
 
 VALID = PublisherConfig(database_url="postgresql://x", kafka_bootstrap="h:1")
 
@@ -518,7 +519,7 @@ def test_python_values_take_paths_and_none_and_name_other_types(tmp_path: Path) 
     and a value of another type is named by its type."""
     base = {"database_url": "postgresql://u@h/db", "kafka_bootstrap": "k:9092"}
     ca = tmp_path / "ca.pem"
-    ca.write_text("x")
+    ca.write_text(CA_PEM)
     config = config_from_values(
         {**base, "kafka_security_protocol": "SSL", "kafka_ssl_cafile": ca, "batch_size": None}
     )

@@ -22,23 +22,9 @@ from publisher.kafka_security import (
     refuse_fixed,
 )
 from publisher.sink import KafkaSink, KafkaSinkConfig
+from tests.support import CA_PEM
 
 SECRET = "s3cret-Pa55"  # noqa: S105 - a test value, checked to appear nowhere
-#: A CA certificate (self-signed, its key thrown away): a CA file that loads.
-CA_PEM = """\
------BEGIN CERTIFICATE-----
-MIIBwTCCAWegAwIBAgIUEzaSmjqk+egOnvGmaNa2f71AucYwCgYIKoZIzj0EAwIw
-NTEzMDEGA1UEAwwqb3V0Ym94IHVuaXQtdGVzdCBDQSAobm90IHRydXN0ZWQgYW55
-d2hlcmUpMCAXDTI2MTIwMzIwNTk1MFoYDzIxMjYxMTA5MjA1OTUwWjA1MTMwMQYD
-VQQDDCpvdXRib3ggdW5pdC10ZXN0IENBIChub3QgdHJ1c3RlZCBhbnl3aGVyZSkw
-WTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAATr7C6f4lBGZxU+WLEt8EJcZOI8ZaCV
-39Hkef2qBRVy+fbbJenBfMcLiz+sD1/+wpMKS6m0wyw1WTXLmisqlUGco1MwUTAd
-BgNVHQ4EFgQUbQgQv0d/SCATDlKRIkTrelAtde4wHwYDVR0jBBgwFoAUbQgQv0d/
-SCATDlKRIkTrelAtde4wDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNIADBF
-AiBw8clN75qCr2abzZ0mt2wrr0gjjibf0MSIrZ2EVeSZ6gIhAPqu+3k8Ru0snnNY
-1IbhqXMlL/HEhbsHm6ZrmG2hu73U
------END CERTIFICATE-----
-"""
 BASE = {"OUTBOX_DATABASE_URL": "postgresql://u@h/db", "OUTBOX_KAFKA_BOOTSTRAP": "k:9093"}
 
 
@@ -379,3 +365,24 @@ def test_the_login_check_checks_the_password_the_clients_were_built_with(tmp_pat
 
     assert app.publisher.sink._config.security is app.security  # type: ignore[attr-defined]
     assert app.security.kafka_python()["sasl_plain_password"] == SECRET
+
+
+def test_a_tls_file_that_does_not_load_is_named_with_every_other_problem(tmp_path: Path) -> None:
+    """A CA file that is no PEM was refused only once the rest was right (a second start
+    to find it): it is one more problem line of the same refusal now."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not a certificate")
+    env = {
+        **BASE,
+        "OUTBOX_BATCH_SIZE": "0",
+        "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SSL",
+        "OUTBOX_KAFKA_SSL_CAFILE": str(ca),
+    }
+    with pytest.raises(ConfigError) as refused:
+        resolve({}, env)
+    lines = str(refused.value).splitlines()[1:]
+    assert [line.strip() for line in lines] == [
+        "batch size must be at least 1, got 0",
+        f"--kafka-ssl-cafile {ca}: no CA certificate could be loaded from it "
+        "(NO_CERTIFICATE_OR_CRL_FOUND); it must hold PEM certificates",
+    ]
