@@ -119,6 +119,15 @@ def start_warnings(config: PublisherConfig) -> list[str]:
         )
     if (
         config.delivery == "idempotent"
+        and config.transaction_records != PublisherConfig.transaction_records
+    ):
+        warnings.append(
+            f"--transaction-records ({config.transaction_records}) is ignored: it applies to "
+            "transactional delivery (--delivery transactional), and this publisher delivers "
+            "idempotently"
+        )
+    if (
+        config.delivery == "idempotent"
         and config.reconcile_interval > 0
         and config.absence_grace < KAFKA_DEFAULT_HIDDEN_SECONDS
     ):

@@ -63,3 +63,11 @@ def test_an_absence_grace_shorter_than_kafkas_defaults_hide_a_record_says_so_at_
     assert start_warnings(_config(absence_grace=0, delivery="transactional")) == []
     [off] = start_warnings(_config(absence_grace=0, reconcile_interval=0))
     assert off.startswith("reconciliation is off")
+
+
+def test_a_transaction_setting_under_idempotent_delivery_is_said_to_be_ignored() -> None:
+    """--transaction-records set for a publisher that sends no transactions does nothing:
+    said at start, rather than silently."""
+    [ignored] = start_warnings(_config(transaction_records=500))
+    assert ignored.startswith("--transaction-records (500) is ignored: it applies to ")
+    assert start_warnings(_config(transaction_records=500, delivery="transactional")) == []
