@@ -468,7 +468,9 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     checks the library repeats when it is called), or ``None``."""
     try:
         if args.command == "purge":
-            evidence = args.evidence_older_than or evidence_age_for(args.delivered_older_than)
+            evidence = args.evidence_older_than
+            if evidence is None:
+                evidence = evidence_age_for(args.delivered_older_than)
             check_windows(args.delivered_older_than, evidence, args.batch_size)
         elif args.command == "resolve":
             check_resolution(

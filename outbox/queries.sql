@@ -687,11 +687,13 @@ WHERE m.state = 'uncertain'
 
 -- name: note_waiting
 -- Say on uncertain messages why their reconciliation waits (Kafka refused to
--- let their producer session be fenced): in last_error, which outbox list
--- and outbox inspect show. With %(note)s NULL (the session is fenced now),
--- such a note gives way again to the error of the message's last attempt,
--- which outbox.attempts keeps all along; a note is told apart by its
--- %(prefix)s (outbox.states.WAITING_NOTE). Only a message still undecided at
+-- let their producer session be fenced, a transaction left open holds the
+-- partition's reads back): in last_error, which outbox list and outbox
+-- inspect show. With %(note)s NULL (the session is fenced now, the reads go
+-- on), such a note gives way again to the error of the message's last
+-- attempt, which outbox.attempts keeps all along, unless it is %(keep)s
+-- (NULL: any note gives way); a note is told apart by its %(prefix)s
+-- (outbox.states.WAITING_NOTE). Only a message still undecided at
 -- the fence the reconciler read is written, and only when its note changes
 -- (rows whose note is already right are not even locked: a lock is a
 -- write), so a pass that fails the same way again writes nothing; a row
@@ -706,6 +708,7 @@ WITH changing AS (
       AND m.state COLLATE "C" = 'uncertain' AND m.escalated_at IS NULL
       AND CASE WHEN %(note)s::text IS NULL
                THEN starts_with(m.last_error, %(prefix)s)
+                    AND m.last_error IS DISTINCT FROM %(keep)s::text
                ELSE m.last_error IS DISTINCT FROM %(note)s::text END
     FOR NO KEY UPDATE OF m SKIP LOCKED
 )

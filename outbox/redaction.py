@@ -28,6 +28,7 @@ connection error is scrubbed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -299,8 +300,10 @@ def libpq_choice_problem(parts: Mapping[str, object]) -> str | None:
     if timeout is not None:
         # psycopg reads it before connecting, as a number of seconds.
         try:
-            float(str(timeout))
+            finite = math.isfinite(float(str(timeout)))
         except ValueError:
+            finite = False
+        if not finite:
             return f"sets connect_timeout={str(timeout)!r} (a number of seconds)"
     return None
 

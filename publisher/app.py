@@ -63,6 +63,7 @@ def build_publisher(
             KafkaLogScanner(config.kafka_bootstrap, security=security),
             f"reconciler {publisher_id}",
             absence_grace=config.absence_grace,
+            held_back_note_after=config.held_back_note_seconds,
             fencer=KafkaFencer(
                 config.kafka_bootstrap, timeout_ms=config.max_block_ms, security=security
             ),

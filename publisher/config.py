@@ -61,6 +61,11 @@ DEFAULT_ABSENCE_GRACE = 60.0
 #: How long a follower that stopped copying can keep a written record unreadable with
 #: Kafka's default replica.lag.time.max.ms (30 s): 1.5 times it.
 KAFKA_DEFAULT_HIDDEN_SECONDS = 45.0
+#: The least time one open transaction holds a partition's read_committed reads
+#: back before the uncertain messages it keeps undecided say so: longer than
+#: Kafka lets a producer's transaction stay open by default (transaction.timeout.ms,
+#: 60 s, then the broker's sweep for expired ones, every 10 s).
+LEAST_HELD_BACK_NOTE_SECONDS = 75.0
 
 #: The largest value a numeric setting takes: seconds (every float setting) up
 #: to a year, counts and milliseconds up to Kafka's (and PostgreSQL's) int32.
@@ -200,6 +205,13 @@ class PublisherConfig:
         may the reconciler take a record's absence for proof.
         """
         return self.hand_over_seconds + self.max_block_ms / 1000 + self.longest_send_seconds
+
+    @property
+    def held_back_note_seconds(self) -> float:
+        """How long one open transaction may hold a partition's reads back before the
+        uncertain messages it keeps undecided say so: ``LEAST_HELD_BACK_NOTE_SECONDS``,
+        or longer than this publisher's own transactions can last (its write deadline)."""
+        return max(LEAST_HELD_BACK_NOTE_SECONDS, self.write_deadline_seconds + 15.0)
 
     @property
     def min_purge_delivered_seconds(self) -> float:

@@ -141,6 +141,7 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
             scanner,
             f"{operator_name()} ({COMMAND})",
             absence_grace=config.absence_grace,
+            held_back_note_after=config.held_back_note_seconds,
             fencer=KafkaFencer(kafka_bootstrap, security=security),
         )
         for report in reconciler.run_cycle():

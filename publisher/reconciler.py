@@ -63,7 +63,7 @@ from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
 from outbox.states import WAITING_NOTE, State
-from publisher.config import DEFAULT_ABSENCE_GRACE
+from publisher.config import DEFAULT_ABSENCE_GRACE, LEAST_HELD_BACK_NOTE_SECONDS
 from publisher.fencing import Fencer
 from publisher.logs import MessageLog
 from publisher.outcomes import is_unreachable
@@ -157,10 +157,12 @@ class _Range:
 
 @dataclass
 class _Seen:
-    """Due messages, by (id, fence), and their sessions, seen over a cycle of pages."""
+    """Due messages, by (id, fence), their sessions and the partitions read, seen over a
+    cycle of pages."""
 
     messages: set[tuple[uuid.UUID, int]] = field(default_factory=set)
     sessions: set[str] = field(default_factory=set)
+    partitions: set[tuple[str, int]] = field(default_factory=set)
 
     def add(self, due: Sequence[UncertainMessage]) -> None:
         self.messages.update((m.id, m.fence) for m in due)
@@ -226,14 +228,6 @@ def fence_refused_note(transactional_id: str, error: BaseException) -> str:
     )
 
 
-#: How long one transaction may hold a partition's read_committed reads back
-#: before the messages it keeps undecided say so: longer than a publisher's
-#: own transactions take (a batch's, ended by its write deadline), and than
-#: Kafka's default transaction.timeout.ms, after which Kafka aborts a
-#: producer's transaction that is left open.
-HELD_BACK_NOTE_AFTER = 60.0
-
-
 def held_back_note(topic: str, partition: int, stable: int) -> str:
     """What an uncertain message says (its ``last_error``) while a transaction left open
     in its partition keeps read_committed reads below the offset its record may be at.
@@ -263,6 +257,7 @@ class Reconciler:
         limit: int = 1000,
         absence_grace: float = DEFAULT_ABSENCE_GRACE,
         fencer: Fencer | None = None,
+        held_back_note_after: float = LEAST_HELD_BACK_NOTE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -281,13 +276,12 @@ class Reconciler:
         #: Partitions already reported to hold foreign ``outbox-id`` headers.
         self._foreign_seen: set[tuple[str, int]] = set()
         self._clock = clock
+        #: How long one open transaction may hold a partition's reads back before
+        #: the messages it keeps undecided say so (``held_back_note``).
+        self.held_back_note_after = held_back_note_after
         #: Partitions whose reads a transaction holds back: its last stable
         #: offset, and when this reconciler first saw it hold them there.
         self._held_back: dict[tuple[str, int], tuple[int, float]] = {}
-        #: Partitions whose messages this reconciler noted as held back, and those
-        #: it has read (a note an earlier process left is taken off at the first read).
-        self._noted: set[tuple[str, int]] = set()
-        self._read_before: set[tuple[str, int]] = set()
         #: Each undecided message's range as read so far, by (id, fence): a
         #: later attempt of the message (a higher fence) has a range of its own.
         self._ranges: dict[tuple[uuid.UUID, int], _Range] = {}
@@ -307,6 +301,10 @@ class Reconciler:
     def _forget_all_but(self, seen: _Seen) -> None:
         self._ranges = {k: r for k, r in self._ranges.items() if k in seen.messages}
         self._fenced &= seen.sessions
+
+    def _forget_partitions_but(self, seen: _Seen) -> None:
+        """What is kept per partition, for those a cycle read only (at the next one's start)."""
+        self._held_back = {k: v for k, v in self._held_back.items() if k in seen.partitions}
 
     def run_cycle(self) -> Iterator[ReconcileReport]:
         """Passes, one per page, until every page was read once (``outbox-publisher
@@ -343,6 +341,7 @@ class Reconciler:
             # longer due (decided elsewhere, escalated): its range and its
             # session's fence are forgotten, so neither grows for ever.
             self._forget_all_but(self._seen)
+            self._forget_partitions_but(self._seen)
             self._seen = _Seen()
         self._seen.add(due)
         if after == 0 and len(due) < self.limit:
@@ -613,14 +612,24 @@ class Reconciler:
         # to its end yet, from where the least read one stopped.
         unread = [m for m in messages if ranges[m.id].position < target(m)]
         lost: EvidenceLost | None = None
-        #: Where an open transaction holds this partition's reads back, if one has
-        #: held them there long enough to say so.
-        held_back: int | None = None
+        #: Where an open transaction stops this pass's read, if it does; and whether
+        #: one has held the partition's reads there long enough to say so.
+        blocked_at: int | None = None
+        held_long = False
+        self._seen.partitions.add((topic, partition))
+        # Only a partition read this pass has its held-back notes looked at.
+        read_now = bool(unread)
         if unread:
             scan_from = min(ranges[m.id].position for m in unread)
             wanted = max(target(m) for m in unread)
-            scan_to = self._stable_to(topic, partition, wanted)
-            held_back = self._held_back_at(topic, partition, scan_to if scan_to < wanted else None)
+            stable = self._last_stable(topic, partition, wanted)
+            scan_to = min(stable, wanted)
+            # Below the end read at the start of the pass, the last stable offset is
+            # the first record of a transaction still open.
+            held_since = self._held_back_at(topic, partition, stable if stable < end else None)
+            if scan_to < wanted:
+                blocked_at = scan_to
+                held_long = held_since == scan_to
             if scan_to <= scan_from:
                 unread = []  # nothing more is stable yet: a later pass reads on
         if unread:
@@ -650,8 +659,9 @@ class Reconciler:
             for m in unread:
                 ranges[m.id].take(scan, read_to, message_id=str(m.id), key=m.key)
         grown: list[int] = []  # the end observed after this pass's read, once asked
-        held: list[UncertainMessage] = []  # undecided, held back by a transaction
-        read_on: list[UncertainMessage] = []  # undecided, their reads went on
+        held: list[UncertainMessage] = []  # undecided, held back long by a transaction
+        short: list[UncertainMessage] = []  # undecided, held back, not long yet
+        read_on: list[UncertainMessage] = []  # undecided, their reads not held back
 
         def end_after_read() -> int:
             if not grown:
@@ -705,8 +715,10 @@ class Reconciler:
                 # Not read to its end yet (the next pass goes on), or within
                 # the grace, when its record may still become visible.
                 report.deferred.append(m.id)
-                stuck = held_back is not None and r.position >= held_back and r.position < to
-                (held if stuck else read_on).append(m)
+                if blocked_at is None or not blocked_at <= r.position < to:
+                    read_on.append(m)
+                else:
+                    (held if held_long else short).append(m)
                 continue
             if (
                 r.sweep_to is None
@@ -744,16 +756,18 @@ class Reconciler:
                         evidence,
                     )
                 )
-        self._note_held_back(
-            topic, partition, held_back=held_back, held=held, read_on=read_on, report=report
-        )
+        if read_now:
+            self._note_held_back(
+                held_back_note(topic, partition, blocked_at) if blocked_at is not None else None,
+                held=held, short=short, read_on=read_on, report=report,
+            )  # fmt: skip
         return decisions
 
     def _held_back_at(self, topic: str, partition: int, stable: int | None) -> int | None:
-        """The offset an open transaction has held ``partition``'s reads at for
-        ``HELD_BACK_NOTE_AFTER`` seconds or more, as seen by this reconciler; else None.
+        """The offset an open transaction has held ``partition``'s last stable offset at
+        for ``held_back_note_after`` seconds or more, as seen by this reconciler; else None.
 
-        ``stable`` is where the reads stop now, None if nothing holds them. A
+        ``stable`` is that offset now, None if no transaction is open. A
         transaction that ends lets the last stable offset move on: another
         offset is another transaction, timed from now.
         """
@@ -764,35 +778,33 @@ class Reconciler:
         since = self._held_back.get(where)
         if since is None or since[0] != stable:
             since = self._held_back[where] = (stable, self._clock())
-        return stable if self._clock() - since[1] >= HELD_BACK_NOTE_AFTER else None
+        return stable if self._clock() - since[1] >= self.held_back_note_after else None
 
     def _note_held_back(
         self,
-        topic: str,
-        partition: int,
+        note: str | None,
         *,
-        held_back: int | None,
         held: Sequence[UncertainMessage],
+        short: Sequence[UncertainMessage],
         read_on: Sequence[UncertainMessage],
         report: ReconcileReport,
     ) -> None:
-        """Say on the messages a transaction holds back why they wait; take the note off
-        those whose reads went on (a note left by an earlier process is taken off the
-        first time this one reads their partition)."""
-        where = (topic, partition)
-        if held_back is not None and held:
-            note = held_back_note(topic, partition, held_back)
+        """Say on the messages a transaction has held back long why they wait (``note``,
+        naming where it holds the reads); take a held-back note off those whose reads
+        went on, and off those held back for less long unless it says the same (another
+        reconciler, a publisher that ran longer, timed it). Notes any reconciler wrote
+        before go too: what is read each pass is asked each pass, and a row whose note
+        is right is not written."""
+        if note is not None and held:
             self.store.note_waiting(held, note)
             report.waiting[note] = report.waiting.get(note, 0) + len(held)
-            self._noted.add(where)
-        if read_on and (where in self._noted or where not in self._read_before):
+        if read_on:
             self.store.note_waiting(read_on, None)
-            if held_back is None:
-                self._noted.discard(where)
-        self._read_before.add(where)
+        if short:
+            self.store.note_waiting(short, None, keep=note)
 
-    def _stable_to(self, topic: str, partition: int, to: int) -> int:
-        """Up to where ``[.., to)`` can be read now: ``to``, or the last stable offset below it.
+    def _last_stable(self, topic: str, partition: int, to: int) -> int:
+        """The partition's last stable offset: ``[.., to)`` can be read now up to it.
 
         Scans read read_committed, so that a record of an aborted transaction
         (an earlier attempt sent in a transaction before the delivery mode
@@ -812,7 +824,7 @@ class Reconciler:
                 to,
                 stable,
             )
-        return min(stable, to)
+        return stable
 
     def _warn_foreign(self, topic: str, partition: int, scan: Scan) -> None:
         """Report another producer's ``outbox-id`` headers, once per partition."""

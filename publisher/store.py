@@ -426,10 +426,12 @@ class PublisherStore:
         ).fetchall()
         return [UncertainMessage(*row) for row in rows]
 
-    def note_waiting(self, messages: Sequence[UncertainMessage], note: str | None) -> int:
+    def note_waiting(
+        self, messages: Sequence[UncertainMessage], note: str | None, *, keep: str | None = None
+    ) -> int:
         """Write ``note`` as the ``last_error`` of those of ``messages`` still uncertain at
-        the fence read, and not escalated; with ``None``, give such a note way to the
-        last attempt's error again. Return how many rows changed.
+        the fence read, and not escalated; with ``None``, give such a note (other than
+        ``keep``) way to the last attempt's error again. Return how many rows changed.
 
         A note starts with ``WAITING_NOTE``: that is how it is told apart from
         an attempt's error when it gives way.
@@ -444,6 +446,7 @@ class PublisherStore:
                 "ids": [m.id for m in messages],
                 "fences": [m.fence for m in messages],
                 "note": note,
+                "keep": keep,
                 "prefix": WAITING_NOTE,
             },
         )

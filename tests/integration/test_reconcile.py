@@ -33,12 +33,7 @@ from outbox.status import read_held_keys, read_status
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
 from publisher.partitioning import partition_for
-from publisher.reconciler import (
-    HELD_BACK_NOTE_AFTER,
-    Reconciler,
-    ReconcileReport,
-    held_back_note,
-)
+from publisher.reconciler import Reconciler, ReconcileReport, held_back_note
 from publisher.scanner import KafkaLogScanner, Scan, ScanIncomplete
 from publisher.store import Settlement
 from tests.support import (
@@ -821,15 +816,21 @@ def test_a_transaction_left_open_below_a_range_is_named_on_its_message(
         message_id = _enqueue(database_url, topic)
         assert make_uncertain(database_url, partitions=1) == {message_id: 0}
         now = [0.0]
-        reconciler = Reconciler(store, scanner, "test", absence_grace=0, clock=lambda: now[0])
+        reconciler = Reconciler(
+            store, scanner, "test", absence_grace=0, held_back_note_after=75, clock=lambda: now[0]
+        )
         assert reconciler.run_once().deferred == [message_id]
         attempt_error = _message(database_url, message_id)[-1]
         assert not attempt_error.startswith(WAITING_NOTE)  # a transaction may be short
 
-        now[0] += HELD_BACK_NOTE_AFTER
+        now[0] += 75
         report = reconciler.run_once()
         note = held_back_note(topic, 0, 0)
         assert report.waiting == {note: 1}
+        assert _message(database_url, message_id)[-1] == note
+        # A reconciler that has not timed it (outbox-publisher reconcile) leaves it.
+        fresh = Reconciler(store, scanner, "test", absence_grace=0)
+        assert fresh.run_once().deferred == [message_id]
         assert _message(database_url, message_id)[-1] == note
         running = claiming_store(database_url)  # a publisher holding lanes: one is running
         try:

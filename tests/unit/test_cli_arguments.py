@@ -114,6 +114,10 @@ NOWHERE = "postgresql://nobody@127.0.0.1:1/nowhere"
             ],
             "--partition and --offset go together",
         ),
+        (
+            ["purge", "--delivered-older-than", "7d", "--evidence-older-than", "0.0000001s"],
+            "evidence_older_than must be longer than zero",
+        ),
         (["retry", "--quarantined", "--fence", "2"], "--fence goes with one message ID"),
         (["retry", MESSAGE_ID, "--topic", "t"], "--topic only goes with --quarantined"),
         (
@@ -125,6 +129,7 @@ NOWHERE = "postgresql://nobody@127.0.0.1:1/nowhere"
     ids=[
         "purge-too-short",
         "purge-evidence-first",
+        "purge-evidence-zero",
         "resolve-no-fence",
         "resolve-half-location",
         "retry-all-with-fence",

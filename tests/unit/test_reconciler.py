@@ -17,7 +17,7 @@ import pytest
 from kafka import errors as kafka_errors
 
 from outbox.states import WAITING_NOTE, State
-from publisher.reconciler import HELD_BACK_NOTE_AFTER, Reconciler, held_back_note
+from publisher.reconciler import Reconciler, held_back_note
 from publisher.scanner import EvidenceLost, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
@@ -53,14 +53,20 @@ class FakeStore(PublisherStore):
         self.decisions.extend(decisions)
         return {d.message_id for d in decisions}
 
-    def note_waiting(self, messages: Sequence[UncertainMessage], note: str | None) -> int:
-        """Every note is kept, by message; ``None`` removes a message's note."""
+    def note_waiting(
+        self, messages: Sequence[UncertainMessage], note: str | None, *, keep: str | None = None
+    ) -> int:
+        """Every note is kept, by message; ``None`` removes a message's note (unless it
+        is ``keep``)."""
+        changed = 0
         for m in messages:
-            if note is None:
-                self.notes.pop(m.id, None)
-            else:
+            if note is None and m.id in self.notes and self.notes[m.id] != keep:
+                del self.notes[m.id]
+                changed += 1
+            elif note is not None and self.notes.get(m.id) != note:
                 self.notes[m.id] = note
-        return len(messages)
+                changed += 1
+        return changed
 
 
 #: A scripted record: its offset, key and headers, as kafka-python reads them.
@@ -456,23 +462,30 @@ def test_an_open_transaction_below_the_end_defers_the_decision(*, transactional:
     assert scanner.scans == [(3, 6), (6, 10)]
 
 
-def test_a_transaction_that_holds_the_reads_back_for_a_minute_is_named_on_its_messages() -> None:
+#: How long a transaction holds the reads back before its messages say so, in these tests.
+HELD_LONG = 75.0
+
+
+def test_a_transaction_that_holds_the_reads_back_long_is_named_on_its_messages() -> None:
     """A transaction open for longer than a publisher's own (another producer's, left
     hanging) keeps read_committed reads below it: its messages say so in their last_error
-    once it has held them for HELD_BACK_NOTE_AFTER; the note goes when the reads go on."""
+    once it has held them for ``held_back_note_after``; the note goes when the reads go
+    on, and one naming an offset the reads are no longer held at goes at once."""
     message = _uncertain(confirmed=2)
     other = replace(_uncertain(confirmed=7), seq=2)  # its whole range lies past it
     now = [0.0]
     scanner = FakeScanner(records=[], log=(0, 10), stable=6)
     store = FakeStore([message, other])
-    reconciler = Reconciler(store, scanner, "test", clock=lambda: now[0])
+    reconciler = Reconciler(
+        store, scanner, "test", held_back_note_after=HELD_LONG, clock=lambda: now[0]
+    )
 
     first = reconciler.run_once()
     assert set(first.deferred) == {message.id, other.id}
     assert (first.waiting, store.notes) == ({}, {})  # a transaction may be short
-    now[0] = HELD_BACK_NOTE_AFTER - 1
+    now[0] = HELD_LONG - 1
     assert reconciler.run_once().waiting == {}
-    now[0] = HELD_BACK_NOTE_AFTER
+    now[0] = HELD_LONG
     held = reconciler.run_once()
     note = held_back_note(TOPIC, 0, 6)
     assert note.startswith(WAITING_NOTE)
@@ -482,22 +495,44 @@ def test_a_transaction_that_holds_the_reads_back_for_a_minute_is_named_on_its_me
 
     scanner.stable = 8  # that transaction ended; another holds the reads at 8, for now
     assert reconciler.run_once().waiting == {}
-    assert store.notes == {}
-    now[0] += HELD_BACK_NOTE_AFTER
+    assert store.notes == {}  # "since offset 6" is no longer so
+    now[0] += HELD_LONG
     assert reconciler.run_once().waiting == {held_back_note(TOPIC, 0, 8): 2}
     scanner.stable = None  # it ended too
     assert set(reconciler.run_once().pending) == {message.id, other.id}
     assert scanner.scans == [(3, 6), (6, 8), (8, 10)]
 
 
-def test_a_note_left_by_an_earlier_process_goes_at_the_first_read() -> None:
-    """A held-back note written before a restart is taken off once the reads go on."""
+def test_a_note_another_reconciler_wrote_stays_while_it_still_holds() -> None:
+    """A reconciler that has not timed the transaction yet (`outbox-publisher reconcile`,
+    a publisher just started) leaves a note that names where the reads are held, and
+    takes off one that names another offset."""
     message = _uncertain(confirmed=2)
+    stale = replace(_uncertain(confirmed=2), seq=2)
+    scanner = FakeScanner(records=[], log=(0, 10), stable=6)
+    store = FakeStore([message, stale])
+    store.notes = {message.id: held_back_note(TOPIC, 0, 6), stale.id: held_back_note(TOPIC, 0, 3)}
+    reconciler = Reconciler(store, scanner, "test", held_back_note_after=HELD_LONG)
+    assert set(reconciler.run_once().deferred) == {message.id, stale.id}
+    assert store.notes == {message.id: held_back_note(TOPIC, 0, 6)}
+    scanner.stable = None  # decided now: the decision's reason replaces the note
+    assert set(reconciler.run_once().pending) == {message.id, stale.id}
+
+
+def test_the_clock_of_a_held_partition_goes_on_over_passes_that_need_nothing_past_it() -> None:
+    """A pass whose ranges end below the held offset (another page) does not restart the
+    transaction's clock: held back long is measured from when it was first seen."""
+    message = _uncertain(confirmed=2)
+    now = [0.0]
     scanner = FakeScanner(records=[], log=(0, 10), stable=6)
     store = FakeStore([message])
-    store.notes[message.id] = held_back_note(TOPIC, 0, 3)
-    assert Reconciler(store, scanner, "test").run_once().deferred == [message.id]
-    assert store.notes == {}
+    reconciler = Reconciler(
+        store, scanner, "test", held_back_note_after=HELD_LONG, clock=lambda: now[0]
+    )
+    reconciler.run_once()
+    scanner.log = (0, 12)  # the log grew past the bound: the transaction is still open at 6
+    now[0] = HELD_LONG
+    assert reconciler.run_once().waiting == {held_back_note(TOPIC, 0, 6): 1}
 
 
 def test_a_session_is_fenced_once() -> None:

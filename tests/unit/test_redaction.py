@@ -276,6 +276,8 @@ def test_an_at_sign_in_a_query_value_keeps_the_host_shown(url: str, shown: str) 
         ("gssencmode=on", "gssencmode='on'"),
         ("channel_binding=yes", "channel_binding='yes'"),
         ("connect_timeout=abc", "connect_timeout='abc' (a number of seconds)"),
+        ("connect_timeout=nan", "connect_timeout='nan' (a number of seconds)"),
+        ("connect_timeout=inf", "connect_timeout='inf' (a number of seconds)"),
     ],
 )
 def test_a_setting_libpq_refuses_only_when_connecting_is_refused_before(
