@@ -111,6 +111,8 @@ def test_metrics_match_the_database_and_count_what_the_publisher_did(
         "--http-port", str(port),
         "--poll-interval", "0.2",
         "--reconcile-interval", "0.2",
+        # The absent record is proof at once (no follower lags on one broker).
+        "--absence-grace", "0",
     )  # fmt: skip
     with _running(process):
         wait_until(
