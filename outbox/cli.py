@@ -53,7 +53,6 @@ from outbox.retention import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EVIDENCE_AGE,
     check_windows,
-    evidence_age_for,
     parse_duration,
     purge,
 )
@@ -463,24 +462,24 @@ def _role_names(args: argparse.Namespace) -> RoleNames:
     )
 
 
+def _resolution_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``outbox resolve``'s options, as ``resolve`` and ``check_resolution`` take them."""
+    return {
+        "fence": args.fence,
+        "partition": args.partition,
+        "offset": args.offset,
+        "force_before_deadline": args.force_before_deadline,
+    }
+
+
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the command's arguments themselves, found before connecting (the
     checks the library repeats when it is called), or ``None``."""
     try:
         if args.command == "purge":
-            evidence = args.evidence_older_than
-            if evidence is None:
-                evidence = evidence_age_for(args.delivered_older_than)
-            check_windows(args.delivered_older_than, evidence, args.batch_size)
+            check_windows(args.delivered_older_than, args.evidence_older_than, args.batch_size)
         elif args.command == "resolve":
-            check_resolution(
-                args.message_id,
-                args.resolution,
-                fence=args.fence,
-                partition=args.partition,
-                offset=args.offset,
-                force_before_deadline=args.force_before_deadline,
-            )
+            check_resolution(args.message_id, args.resolution, **_resolution_options(args))
         elif args.command == "retry" and args.quarantined and args.fence is not None:
             return "--fence goes with one message ID, not with --quarantined"
         elif args.command == "retry" and args.topic and not args.quarantined:
@@ -546,14 +545,7 @@ def _resolve(args: argparse.Namespace) -> int:
     with _connect_to_decide(args) as conn:
         try:
             before = resolve(
-                conn,
-                args.message_id,
-                args.resolution,
-                args.reason,
-                fence=args.fence,
-                partition=args.partition,
-                offset=args.offset,
-                force_before_deadline=args.force_before_deadline,
+                conn, args.message_id, args.resolution, args.reason, **_resolution_options(args)
             )
         except ValueError as exc:
             raise OutboxError(str(exc)) from exc

@@ -117,10 +117,13 @@ def evidence_age_for(delivered_older_than: timedelta) -> timedelta:
 
 def check_windows(
     delivered_older_than: timedelta,
-    evidence_older_than: timedelta,
+    evidence_older_than: timedelta | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
-) -> None:
-    """Raise ``ValueError`` naming what is wrong with these purge settings, before any SQL."""
+) -> timedelta:
+    """The evidence window these purge settings give (``evidence_age_for`` the delivered
+    one when none is given); ``ValueError`` naming what is wrong with them, before any SQL."""
+    if evidence_older_than is None:
+        evidence_older_than = evidence_age_for(delivered_older_than)
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     for name, age in (
@@ -143,6 +146,7 @@ def check_windows(
             f"window ({_words(delivered_older_than)}): evidence must not go before the messages "
             "it explains"
         )
+    return evidence_older_than
 
 
 def purge(
@@ -162,9 +166,7 @@ def purge(
     Without ``evidence_older_than``, evidence goes after ``evidence_age_for``
     the delivered window. Settings ``check_windows`` refuses raise ``ValueError``.
     """
-    if evidence_older_than is None:
-        evidence_older_than = evidence_age_for(delivered_older_than)
-    check_windows(delivered_older_than, evidence_older_than, batch_size)
+    evidence_older_than = check_windows(delivered_older_than, evidence_older_than, batch_size)
     if dry_run:
         return _count(conn, delivered_older_than, evidence_older_than)
     locked = conn.execute(query("purge_lock"), (PURGE_LOCK_KEY,)).fetchone()

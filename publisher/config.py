@@ -532,17 +532,19 @@ def kafka_security_problems(config: PublisherConfig) -> list[Problem]:  # noqa: 
     return problems
 
 
+def secret_of(value: str, path: str) -> str:
+    """A secret given as itself (``value``) or in a file (``path``, read now)."""
+    return read_secret_file(path) if path else value
+
+
 def _tls_files_problem(config: PublisherConfig) -> str | None:
     """Why the TLS files of ``config`` (each readable) do not load, or ``None``."""
-    key_password = config.kafka_ssl_key_password
-    if config.kafka_ssl_key_password_file:
-        key_password = read_secret_file(config.kafka_ssl_key_password_file)
     try:
         tls_context(
             config.kafka_ssl_cafile,
             config.kafka_ssl_certfile,
             config.kafka_ssl_keyfile,
-            key_password,
+            secret_of(config.kafka_ssl_key_password, config.kafka_ssl_key_password_file),
             check_hostname=config.kafka_ssl_check_hostname,
         )
     except ConfigError as exc:

@@ -37,7 +37,7 @@ from kafka import KafkaAdminClient
 from kafka import errors as kafka_errors
 from kafka.net.connection import KafkaConnection
 
-from publisher.config import ConfigError, PublisherConfig, read_secret_file, tls_context
+from publisher.config import ConfigError, PublisherConfig, secret_of, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -67,28 +67,21 @@ class KafkaSecurity:
 
     @classmethod
     def from_config(cls, config: PublisherConfig) -> KafkaSecurity:
-        """The security settings of a validated ``config``; password files are read here,
-        and TLS files loaded (``ConfigError`` if one cannot be)."""
-        sasl_password = config.kafka_sasl_password
-        if config.kafka_sasl_password_file:
-            sasl_password = read_secret_file(config.kafka_sasl_password_file)
-        key_password = config.kafka_ssl_key_password
-        if config.kafka_ssl_key_password_file:
-            key_password = read_secret_file(config.kafka_ssl_key_password_file)
-        security = cls(
+        """The security settings of a validated ``config`` (its validation loaded the TLS
+        files: ``kafka_security_problems``); password files are read here."""
+        return cls(
             protocol=config.kafka_security_protocol,
             sasl_mechanism=config.kafka_sasl_mechanism,
             sasl_username=config.kafka_sasl_username,
-            sasl_password=sasl_password,
+            sasl_password=secret_of(config.kafka_sasl_password, config.kafka_sasl_password_file),
             ssl_cafile=config.kafka_ssl_cafile,
             ssl_certfile=config.kafka_ssl_certfile,
             ssl_keyfile=config.kafka_ssl_keyfile,
-            ssl_key_password=key_password,
+            ssl_key_password=secret_of(
+                config.kafka_ssl_key_password, config.kafka_ssl_key_password_file
+            ),
             ssl_check_hostname=config.kafka_ssl_check_hostname,
         )
-        if security.tls:
-            security.tls_context()  # its files must load now, not at the first handshake
-        return security
 
     def tls_context(self) -> ssl.SSLContext:
         """The TLS context these settings describe, as kafka-python builds its own
