@@ -650,15 +650,16 @@ ORDER BY seq
 -- of their batch, for the reconciler; and whether the grace after that has
 -- passed too, so that a record's absence proves it was never written. A
 -- message sent in a transaction needs no grace: the reconciler fences its
--- transactional.id and reads only committed records. A page at a time, in
--- seq order from after seq %(after)s: the reconciler goes on after a full
--- page at its next pass, so a page whose messages all wait cannot keep those
--- after it waiting for ever.
+-- transactional.id and reads only committed records. With how long ago the
+-- batch began sending (a compacted topic keeps a tombstone only so long). A
+-- page at a time, in seq order from after seq %(after)s: the reconciler goes
+-- on after a full page at its next pass, so a page whose messages all wait
+-- cannot keep those after it waiting for ever.
 SELECT m.id, m.topic, m.key, m.fence, m.kafka_partition, b.partition_counts,
        b.confirmed_offsets, m.seq,
        b.transactional_id IS NOT NULL
            OR m.available_at + make_interval(secs => %(grace)s::float8) <= now(),
-       b.transactional_id
+       b.transactional_id, extract(epoch FROM now() - b.send_began_at)::float8
 FROM outbox.messages AS m
 LEFT JOIN outbox.batches AS b ON b.id = m.batch_id
 WHERE m.state = 'uncertain' AND m.escalated_at IS NULL AND m.available_at <= now()

@@ -25,7 +25,9 @@ on where it stopped (``_Range``), so every range is read to its end.
   by retention, before or during the scan; when the partition now ends below
   the offset confirmed before the attempt (the log was truncated, or the
   topic deleted and created again); and when the record is missing from a
-  compacted topic, which removes records from the middle of its log.
+  compacted topic, which removes records from the middle of its log, where
+  a later record of its key may have removed it: one in the range read, or
+  a tombstone removed since (``Reconciler._compacted_away``).
 
 A message sent in a Kafka transaction (``--delivery transactional``) is
 decided without waiting for a write deadline or a grace: first the
@@ -68,10 +70,16 @@ from publisher.fencing import Fencer
 from publisher.logs import MessageLog
 from publisher.outcomes import is_unreachable
 from publisher.partitioning import partition_for
-from publisher.scanner import EvidenceLost, LogScanner, Scan, ScanIncomplete
+from publisher.scanner import Cleanup, EvidenceLost, LogScanner, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
 log = logging.getLogger(__name__)
+
+#: Seconds a decision keeps clear of the moment a compacted topic may have
+#: removed a tombstone written after the attempt began (see
+#: ``Reconciler._compacted_away``): for clocks stepped, and the time between
+#: reading the message and deciding it, not counted otherwise.
+TOMBSTONE_MARGIN = 300.0
 
 
 @dataclass
@@ -292,6 +300,8 @@ class Reconciler:
         #: Whether the last pass read the first page (the first pass, or one that
         #: started over after the last page).
         self.read_first_page = False
+        #: When the current pass read its messages (``UncertainMessage.sent_ago``).
+        self._pass_began = clock()
 
     @property
     def pages_left(self) -> bool:
@@ -329,6 +339,7 @@ class Reconciler:
         does not keep the messages after it waiting.
         """
         report = ReconcileReport()
+        self._pass_began = self._clock()
         after = self._after
         due = self.store.uncertain_due(self.limit, self.absence_grace, after=after)
         if not due and after:
@@ -426,18 +437,16 @@ class Reconciler:
                 )
             else:
                 by_partition[partition].append(m)
-        policy: list[set[str] | None] = []  # asked once per topic, only when a record is missing
+        described: list[Cleanup | None] = []  # asked once per topic, only when a record is missing
 
-        def cleanup_policy() -> set[str] | None:
-            if not policy:
-                policy.append(self.scanner.cleanup_policy(topic))
-            return policy[0]
+        def cleanup() -> Cleanup | None:
+            if not described:
+                described.append(self.scanner.cleanup(topic))
+            return described[0]
 
         for partition, group in by_partition.items():
             with unread.group(f"{topic}[{partition}]", group, report):
-                decisions.extend(
-                    self._decide_partition(topic, partition, group, report, cleanup_policy)
-                )
+                decisions.extend(self._decide_partition(topic, partition, group, report, cleanup))
             self.progress()
         return decisions
 
@@ -578,7 +587,7 @@ class Reconciler:
         partition: int,
         messages: Sequence[UncertainMessage],
         report: ReconcileReport,
-        cleanup_policy: Callable[[], set[str] | None],
+        cleanup: Callable[[], Cleanup | None],
     ) -> list[Decision]:
         log_start, end = self.scanner.offset_range(topic, partition)
         decisions: list[Decision] = []
@@ -725,7 +734,7 @@ class Reconciler:
                 and m.key is not None
                 and not r.key_records
                 and end_after_read() > r.position
-                and self._may_compact(cleanup_policy())
+                and self._may_compact(cleanup())
             ):
                 # A record of its key written past what was read could have
                 # compacted its record away before the read reached it. Any
@@ -737,7 +746,7 @@ class Reconciler:
                 continue
             gone = (
                 self._evidence_gone(where, r.deleted)
-                or self._compacted_away(m, where, r.key_records, cleanup_policy)
+                or self._compacted_away(m, where, r.key_records, cleanup)
                 or self._overtaken(m, r.key_ids)
             )
             if gone is not None:
@@ -851,35 +860,68 @@ class Reconciler:
         )
 
     @staticmethod
-    def _may_compact(policy: set[str] | None) -> bool:
-        """Whether a topic of that ``cleanup.policy`` may be compacted (unknown: it may)."""
-        return policy is None or "compact" in policy
+    def _may_compact(cleanup: Cleanup | None) -> bool:
+        """Whether a topic so described may be compacted (not described: it may)."""
+        return cleanup is None or cleanup.compacts
 
-    @staticmethod
     def _compacted_away(
+        self,
         message: UncertainMessage,
         where: str,
         key_records: int,
-        cleanup_policy: Callable[[], set[str] | None],
+        cleanup: Callable[[], Cleanup | None],
     ) -> str | None:
         """Why compaction may have removed its record, if it may have.
 
-        Compaction removes a record only once a later record has the same key:
-        with none of its key in the range read, its record cannot have been
-        compacted away, and its absence is proof.
+        Compaction removes a record once a later record has the same key, and
+        a record with no key at all. With later records of its key in the
+        range read, one of them may have removed it. With none there, only a
+        later record of its key removed since could have: a tombstone (a key
+        and no value), which compaction removes too, ``delete.retention.ms``
+        after it first cleans the segment that holds it. That is after the
+        tombstone was written, so after the attempt began sending: until that
+        long has passed since then (``TOMBSTONE_MARGIN`` less), any such
+        tombstone is still in the log, and absence is proof.
         """
-        if message.key is not None and not key_records:
+        described = cleanup()
+        if not self._may_compact(described):
             return None
-        policy = cleanup_policy()
-        if policy is None:
-            why = "the topic's cleanup.policy could not be read, so it may be compacted"
-        elif "compact" in policy:
-            why = "the topic is compacted"
+        why = (
+            "the topic's cleanup.policy could not be read, so it may be compacted"
+            if described is None
+            else "the topic is compacted"
+        )
+        if message.key is None:
+            return (
+                f"not found in {where}, but {why}, which removes records without a key: "
+                "its record may have been written and compacted away"
+            )
+        if key_records:
+            return (
+                f"not found in {where}, but {why} and later records of its key are there: its "
+                "record may have been written and compacted away"
+            )
+        kept = described.tombstones_kept if described is not None else None
+        age = (
+            None
+            if message.sent_ago is None
+            else message.sent_ago + (self._clock() - self._pass_began)
+        )
+        if kept is not None and age is not None and age + TOMBSTONE_MARGIN < kept:
+            return None
+        if kept is None:
+            since = "its delete.retention.ms could not be read"
+        elif age is None:
+            since = "when its attempt began sending is not recorded"
         else:
-            return None
+            since = (
+                f"its attempt began sending {age:.0f}s ago, and tombstones are kept "
+                f"{kept:g}s (delete.retention.ms)"
+            )
         return (
-            f"not found in {where}, but {why} and later records of its key are there: its "
-            "record may have been written and compacted away"
+            f"not found in {where} and no record of its key there, but {why} and {since}: "
+            "a later record of its key, a tombstone since removed, may have compacted its "
+            "record away"
         )
 
     def _overtaken(self, message: UncertainMessage, key_ids: set[str]) -> str | None:

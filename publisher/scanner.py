@@ -3,7 +3,8 @@
 This is the evidence side of reconciliation: it answers "which of these
 message ids appear in this partition between these offsets?", "which
 offsets does the partition still hold?" and "may the broker remove records
-from the middle of this topic?" (compaction).
+from the middle of this topic, and how long does it keep a tombstone?"
+(compaction).
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ class Scan:
             self.key_records[wanted_key] = self.key_records.get(wanted_key, 0) + 1
 
 
+@dataclass(frozen=True)
+class Cleanup:
+    """How the broker removes a topic's records, as it describes the topic."""
+
+    #: Its ``cleanup.policy`` values (``delete``, ``compact``).
+    policy: frozenset[str]
+    #: Its ``delete.retention.ms``, in seconds: how long compaction keeps a
+    #: tombstone (a record with a key and no value) after it first cleans the
+    #: segment that holds it. None: not described.
+    tombstones_kept: float | None = None
+
+    @property
+    def compacts(self) -> bool:
+        """Whether the broker compacts the topic."""
+        return "compact" in self.policy
+
+
 class EvidenceLost(Exception):
     """Offsets of the range were deleted (retention) before the scan read them.
 
@@ -151,12 +169,14 @@ class LogScanner(Protocol):
         """
         ...
 
-    def cleanup_policy(self, topic: str) -> set[str] | None:
-        """The topic's ``cleanup.policy`` values; ``None`` if the broker did not say.
+    def cleanup(self, topic: str) -> Cleanup | None:
+        """The topic's ``cleanup.policy`` and ``delete.retention.ms``; ``None`` if the
+        broker did not say.
 
         Compaction removes a record from the middle of the log once a later
         record has the same key, so a record missing from such a topic may
-        have been written and removed.
+        have been written and removed; and it removes a tombstone too, once
+        ``delete.retention.ms`` has passed.
         """
         ...
 
@@ -356,16 +376,24 @@ class KafkaLogScanner:
             progress()  # a long read is a loop that moves, not one that is stuck
         return scan
 
-    def cleanup_policy(self, topic: str) -> set[str] | None:
-        """Read the topic's ``cleanup.policy`` from the broker (it can change at any time)."""
-        resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": None})
+    def cleanup(self, topic: str) -> Cleanup | None:
+        """Read the topic's cleanup settings from the broker (they can change at any time)."""
+        names = ("cleanup.policy", "delete.retention.ms")
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, dict.fromkeys(names))
         described = self._admin_client().describe_configs([resource], config_filter="all")
-        entry = described.get("topic", {}).get(topic, {}).get("cleanup.policy")
-        if entry is None or entry.get("value") is None:
+        entries = described.get("topic", {}).get(topic, {})
+        policy, kept = (entries.get(name, {}).get("value") for name in names)
+        if policy is None:
             # Not described: the topic is gone, or this client may not read
             # its configs (kafka-python drops the error code).
             return None
-        return {policy.strip() for policy in str(entry["value"]).split(",")}
+        try:
+            tombstones_kept = int(kept) / 1000 if kept is not None else None
+        except ValueError:
+            tombstones_kept = None
+        return Cleanup(
+            frozenset(value.strip() for value in str(policy).split(",")), tombstones_kept
+        )
 
     def close(self) -> None:
         """Close the consumer and the admin client, if they were ever opened."""

@@ -128,6 +128,9 @@ class UncertainMessage:
     #: The transactional.id its batch was sent under (transactional delivery):
     #: fenced before the log is read, read_committed. ``None``: idempotent.
     transactional_id: str | None = None
+    #: Seconds since its batch began sending, by the database's clock, when it was
+    #: read (``None``: not recorded). Its record, if any, is younger.
+    sent_ago: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

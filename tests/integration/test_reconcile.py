@@ -9,6 +9,7 @@ read_committed. Tests of what exists in one mode only say why.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import uuid
@@ -502,6 +503,32 @@ def test_on_a_compacted_topic_absence_is_proof_only_with_no_later_record_of_its_
     assert (state, escalated) == ("uncertain", True)
     assert "the topic is compacted and later records of its key are there" in last_error
     assert _message(database_url, found)[:3] == ("delivered", 0, at)
+
+
+def test_on_a_compacted_topic_that_keeps_tombstones_briefly_no_absence_is_proof(
+    database_url: str, kafka_bootstrap: str, reconciler: Reconciler, sent: Sent
+) -> None:
+    """A tombstone of its key written after the attempt began could have compacted its
+    record away and been removed itself once the topic's delete.retention.ms passed: with
+    that shorter than the time since sending began, a record missing with no record of its
+    key in the range is escalated, not sent again."""
+    topic = f"outbox-test-{uuid.uuid4().hex[:12]}"
+    create_topic(
+        kafka_bootstrap,
+        topic,
+        partitions=1,
+        configs={"cleanup.policy": "compact", "delete.retention.ms": "1000"},
+    )
+    with psycopg.connect(database_url) as conn:
+        lonely = outbox.enqueue(conn, topic, b"v", key="lonely")
+    sent.make_uncertain(database_url, partitions=1)
+
+    report = reconciler.run_once()
+
+    assert report.escalated == [lonely]
+    state, _, _, escalated, last_error = _message(database_url, lonely)
+    assert (state, escalated) == ("uncertain", True)
+    assert re.search(r"its attempt began sending \d+s ago, and tombstones are kept 1s", last_error)
 
 
 # Idempotent delivery only: the records of a transactional batch are committed

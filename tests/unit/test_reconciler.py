@@ -17,11 +17,15 @@ import pytest
 from kafka import errors as kafka_errors
 
 from outbox.states import WAITING_NOTE, State
-from publisher.reconciler import Reconciler, held_back_note
-from publisher.scanner import EvidenceLost, Scan, ScanIncomplete
+from publisher.reconciler import TOMBSTONE_MARGIN, Reconciler, held_back_note
+from publisher.scanner import Cleanup, EvidenceLost, Scan, ScanIncomplete
 from publisher.store import Decision, PublisherStore, UncertainMessage
 
 TOPIC = "orders"
+#: A topic whose records only retention removes.
+DELETE: set[str] = {"delete"}
+#: Kafka's default delete.retention.ms, in seconds: how long a tombstone is kept.
+DAY = 86_400.0
 
 
 class FakeStore(PublisherStore):
@@ -86,7 +90,8 @@ class FakeScanner:
         *,
         records: Sequence[Record] = (),
         log: tuple[int, int] = (0, 10),
-        policy: set[str] | None = None,
+        policy: set[str] | None = DELETE,
+        tombstones_kept: float | None = DAY,
         lost_from: int | None = None,
         stable: int | None = None,
     ) -> None:
@@ -98,6 +103,7 @@ class FakeScanner:
         self.records = records
         self.log = log
         self.policy = policy
+        self.tombstones_kept = tombstones_kept
         #: Retention cuts the log to this start while the scan reads it.
         self.lost_from = lost_from
         self.policy_asked = 0
@@ -141,20 +147,28 @@ class FakeScanner:
             raise EvidenceLost("offsets were deleted", scan, self.lost_from, start)
         return scan
 
-    def cleanup_policy(self, topic: str) -> set[str] | None:
-        """The scripted policy."""
+    def cleanup(self, topic: str) -> Cleanup | None:
+        """The scripted policy and tombstone retention (None: not described)."""
         self.policy_asked += 1
-        return self.policy
+        if self.policy is None:
+            return None
+        return Cleanup(frozenset(self.policy), self.tombstones_kept)
 
     def close(self) -> None:
         """Nothing to close."""
 
 
 def _uncertain(
-    *, key: bytes | None = b"k", confirmed: int | None = None, absence_due: bool = True
+    *,
+    key: bytes | None = b"k",
+    confirmed: int | None = None,
+    absence_due: bool = True,
+    sent_ago: float | None = 600.0,
 ) -> UncertainMessage:
     offsets = {TOPIC: {"0": confirmed}} if confirmed is not None else {}
-    return UncertainMessage(uuid.uuid4(), TOPIC, key, 1, 0, {TOPIC: 1}, offsets, 7, absence_due)
+    return UncertainMessage(
+        uuid.uuid4(), TOPIC, key, 1, 0, {TOPIC: 1}, offsets, 7, absence_due, sent_ago=sent_ago
+    )
 
 
 def _decide(
@@ -210,16 +224,101 @@ def test_compaction_explains_an_absence_only_with_later_records_of_its_key() -> 
 
 
 def test_an_unreadable_cleanup_policy_counts_as_compacted_and_a_delete_one_does_not() -> None:
-    """A policy the broker would not describe is assumed compacted; delete is not."""
+    """A topic the broker would not describe is assumed compacted, and as it may keep
+    tombstones for no time at all, no absence there is proof; delete is not compacted."""
     message = _uncertain()
     unknown = FakeScanner(Scan(key_records={b"k": 1}), policy=None)
     assert _decide(unknown, message) == {message.id: "escalated"}
     plain = FakeScanner(Scan(key_records={b"k": 1}), policy={"delete"})
     assert _decide(plain, message) == {message.id: "pending"}
-    # With no record of its key in the range, the policy is not even asked.
     quiet = FakeScanner(Scan(), policy=None)
-    assert _decide(quiet, message) == {message.id: "pending"}
-    assert quiet.policy_asked == 0
+    assert _decide(quiet, message) == {message.id: "escalated"}
+    assert quiet.policy_asked == 1
+
+
+def _reason(scanner: FakeScanner, message: UncertainMessage) -> tuple[str, str]:
+    """The one message's verdict and the reason its decision gives."""
+    store = FakeStore([message])
+    report = Reconciler(store, scanner, "test").run_once()
+    [decision] = store.decisions
+    verdict = "pending" if report.pending else "escalated" if report.escalated else "delivered"
+    return verdict, decision.reason
+
+
+def test_on_a_compacted_topic_absence_is_proof_only_while_a_tombstone_would_still_be_there() -> (
+    None
+):
+    """With no record of its key in the range, only a later one removed since could have
+    compacted its record away: a tombstone, kept delete.retention.ms. Its absence is proof
+    while that has not passed since its attempt began sending, and not after."""
+    compacted = FakeScanner(Scan(), policy={"compact"}, tombstones_kept=DAY)
+    assert _reason(compacted, _uncertain(sent_ago=600.0))[0] == "pending"
+    verdict, reason = _reason(compacted, _uncertain(sent_ago=DAY))
+    assert verdict == "escalated"
+    assert "tombstones are kept 86400s (delete.retention.ms)" in reason
+    assert "its attempt began sending 86400s ago" in reason
+    # Short of the day by less than the margin: too close to trust.
+    assert _reason(compacted, _uncertain(sent_ago=DAY - TOMBSTONE_MARGIN))[0] == "escalated"
+    # Not recorded when it began, or how long tombstones are kept: no proof either.
+    verdict, reason = _reason(compacted, _uncertain(sent_ago=None))
+    assert (verdict, "when its attempt began sending is not recorded" in reason) == (
+        "escalated",
+        True,
+    )
+    unknown = FakeScanner(Scan(), policy={"compact"}, tombstones_kept=None)
+    verdict, reason = _reason(unknown, _uncertain())
+    assert (verdict, "its delete.retention.ms could not be read" in reason) == ("escalated", True)
+    # A topic that is not compacted keeps no tombstones to lose.
+    assert _reason(FakeScanner(Scan(), policy={"delete"}), _uncertain(sent_ago=None))[0] == (
+        "pending"
+    )
+
+
+class SlowScanner(FakeScanner):
+    """A scan that takes ``seconds`` on the reconciler's clock."""
+
+    def __init__(self, now: list[float], seconds: float) -> None:
+        super().__init__(Scan(), policy={"compact"}, tombstones_kept=DAY)
+        self.now = now
+        self.seconds = seconds
+
+    def find(
+        self,
+        topic: str,
+        partition: int,
+        start: int,
+        end: int,
+        ids: Collection[str],
+        *,
+        keys: Collection[bytes] = (),
+        progress: Callable[[], None] = lambda: None,
+    ) -> Scan:
+        """The empty scan, once the time has passed."""
+        self.now[0] += self.seconds
+        return super().find(topic, partition, start, end, ids, keys=keys)
+
+
+@pytest.mark.parametrize(("seconds", "verdict"), [(0.0, "pending"), (20.0, "escalated")])
+def test_the_time_a_pass_takes_counts_in_how_long_ago_the_attempt_began(
+    seconds: float, verdict: str
+) -> None:
+    """The age read with the message grows while the pass reads: a decision taken once a
+    tombstone may be gone is not proof, however young the message was when read."""
+    now = [0.0]
+    message = _uncertain(sent_ago=DAY - TOMBSTONE_MARGIN - 10)
+    store = FakeStore([message])
+    reconciler = Reconciler(store, SlowScanner(now, seconds), "test", clock=lambda: now[0])
+
+    report = reconciler.run_once()
+
+    assert ("pending" if report.pending else "escalated" if report.escalated else "") == verdict
+
+
+def test_a_message_without_a_key_missing_from_a_compacted_topic_escalates() -> None:
+    """Compaction removes records that have no key: absence proves nothing there."""
+    verdict, reason = _reason(FakeScanner(Scan(), policy={"compact"}), _uncertain(key=None))
+    assert verdict == "escalated"
+    assert "which removes records without a key" in reason
 
 
 def test_a_later_message_of_its_key_in_the_log_escalates_and_a_foreign_header_is_ignored() -> None:
@@ -586,14 +685,14 @@ class BusyPartition:
         end: int,
         growth: int,
         per_pass: int,
-        policy: set[str] | None = None,
+        policy: set[str] = DELETE,
         keyed_at: Collection[int] = (),
     ) -> None:
         self.records = {offset: (key, headers) for offset, key, headers in records.values()}
         self.end = end
         self.growth = growth
         self.per_pass = per_pass
-        self.policy = policy if policy is not None else {"delete"}
+        self.policy = policy
         self.keyed_at = set(keyed_at)
         #: Each scan's range as asked: (start, end).
         self.scans: list[tuple[int, int]] = []
@@ -639,9 +738,9 @@ class BusyPartition:
             raise ScanIncomplete(f"read up to {stop} of [{start}, {end})", scan, stop)
         return scan
 
-    def cleanup_policy(self, topic: str) -> set[str] | None:
-        """The scripted policy."""
-        return self.policy
+    def cleanup(self, topic: str) -> Cleanup | None:
+        """The scripted policy, tombstones kept a day."""
+        return Cleanup(frozenset(self.policy), DAY)
 
     def close(self) -> None:
         """Nothing to close."""
