@@ -77,8 +77,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds a decision keeps clear of the moment a compacted topic may have
 #: removed a tombstone written after the attempt began (see
-#: ``Reconciler._compacted_away``): for clocks stepped, and the time between
-#: reading the message and deciding it, not counted otherwise.
+#: ``Reconciler._compacted_away``): the attempt's age is measured on the
+#: database's clock (and the pass's time on the reconciler's), the tombstone's
+#: retention on the broker's, and clocks differ or are stepped.
 TOMBSTONE_MARGIN = 300.0
 
 
@@ -762,7 +763,7 @@ class Reconciler:
                         f"proven absent: no record with its id in {where}",
                         partition,
                         None,
-                        evidence,
+                        {**evidence, **self._compaction_evidence(m, cleanup())},
                     )
                 )
         if read_now:
@@ -893,8 +894,9 @@ class Reconciler:
         )
         if message.key is None:
             return (
-                f"not found in {where}, but {why}, which removes records without a key: "
-                "its record may have been written and compacted away"
+                f"not found in {where}, but {why}: compaction removes records without a key "
+                "(a broker refuses them on a compacted topic, so one was written before the "
+                "topic was), and its record may have been written and compacted away"
             )
         if key_records:
             return (
@@ -902,11 +904,7 @@ class Reconciler:
                 "record may have been written and compacted away"
             )
         kept = described.tombstones_kept if described is not None else None
-        age = (
-            None
-            if message.sent_ago is None
-            else message.sent_ago + (self._clock() - self._pass_began)
-        )
+        age = self._sent_ago(message)
         if kept is not None and age is not None and age + TOMBSTONE_MARGIN < kept:
             return None
         if kept is None:
@@ -916,13 +914,33 @@ class Reconciler:
         else:
             since = (
                 f"its attempt began sending {age:.0f}s ago, and tombstones are kept "
-                f"{kept:g}s (delete.retention.ms)"
+                f"{kept:.0f}s (delete.retention.ms)"
             )
         return (
             f"not found in {where} and no record of its key there, but {why} and {since}: "
             "a later record of its key, a tombstone since removed, may have compacted its "
             "record away"
         )
+
+    def _sent_ago(self, message: UncertainMessage) -> float | None:
+        """Seconds since its attempt began sending, now (None: not recorded)."""
+        if message.sent_ago is None:
+            return None
+        return message.sent_ago + (self._clock() - self._pass_began)
+
+    def _compaction_evidence(
+        self, message: UncertainMessage, described: Cleanup | None
+    ) -> dict[str, object]:
+        """What a proof of absence took from the topic's cleanup settings: its policy,
+        and on a compacted topic how long tombstones are kept and the attempt's age."""
+        if described is None:
+            return {}
+        evidence: dict[str, object] = {"cleanup_policy": sorted(described.policy)}
+        if described.compacts:
+            age = self._sent_ago(message)
+            evidence["tombstones_kept_seconds"] = described.tombstones_kept
+            evidence["sent_seconds_ago"] = None if age is None else round(age, 3)
+        return evidence
 
     def _overtaken(self, message: UncertainMessage, key_ids: set[str]) -> str | None:
         """Why sending an absent message now would break its key's order, if it would.

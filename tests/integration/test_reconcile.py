@@ -253,6 +253,7 @@ def test_record_proven_absent_makes_the_message_pending_and_it_is_delivered_once
         "scan_to": end,
         "log_start": 0,
         "passes": 1,
+        "cleanup_policy": ["delete"],
     }
     assert f"offsets [0, {end})" in reason
 

@@ -274,6 +274,27 @@ def test_on_a_compacted_topic_absence_is_proof_only_while_a_tombstone_would_stil
     )
 
 
+#: The evidence a proof of absence takes from the topic's cleanup settings.
+SETTINGS = {"cleanup_policy", "tombstones_kept_seconds"}
+
+
+def test_a_proof_of_absence_records_the_cleanup_settings_it_relied_on() -> None:
+    """The decision's evidence says the topic's policy, and on a compacted topic how long
+    tombstones are kept and how long ago the attempt began sending."""
+    for policy, expected in (
+        ({"compact"}, {"cleanup_policy": ["compact"], "tombstones_kept_seconds": DAY}),
+        ({"delete"}, {"cleanup_policy": ["delete"]}),
+    ):
+        store = FakeStore([_uncertain(sent_ago=600.0)])
+        Reconciler(store, FakeScanner(Scan(), policy=policy), "test").run_once()
+        [decision] = store.decisions
+        assert decision.to_state is State.PENDING
+        evidence = dict(decision.evidence)
+        if "compact" in policy:
+            assert 600.0 <= evidence.pop("sent_seconds_ago") < 601.0
+        assert {k: v for k, v in evidence.items() if k in SETTINGS} == expected
+
+
 class SlowScanner(FakeScanner):
     """A scan that takes ``seconds`` on the reconciler's clock."""
 
@@ -318,7 +339,7 @@ def test_a_message_without_a_key_missing_from_a_compacted_topic_escalates() -> N
     """Compaction removes records that have no key: absence proves nothing there."""
     verdict, reason = _reason(FakeScanner(Scan(), policy={"compact"}), _uncertain(key=None))
     assert verdict == "escalated"
-    assert "which removes records without a key" in reason
+    assert "compaction removes records without a key" in reason
 
 
 def test_a_later_message_of_its_key_in_the_log_escalates_and_a_foreign_header_is_ignored() -> None:
