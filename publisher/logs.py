@@ -14,8 +14,9 @@ import json
 import logging
 import ssl
 import sys
+import time
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -105,6 +106,79 @@ class MessageLog(logging.LoggerAdapter[logging.Logger]):
         own: Mapping[str, object] = kwargs.get("extra") or {}
         kwargs["extra"] = {**(self.extra or {}), **own}
         return f"{self.prefix}: {msg}", kwargs
+
+
+class Outage:
+    """The log lines of one dependency's outage, however many tries it lasts.
+
+    A loop that tries again every second would log a line a second for as long
+    as the dependency is away. Here the first failure is a WARNING ("<what>
+    (<error>); retrying"), a failure that says something else is one at once,
+    and the same failure again only every ``every`` seconds, with how long it
+    has lasted and how many tries. Once it has lasted ``loud_after`` seconds,
+    one ERROR line says so and what to check (``hint``): an alert on ERROR
+    lines then fires for an outage that does not end by itself, a password
+    refused or a database that does not exist, and not for a restart. The
+    first success after failures says how long it lasted (INFO).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        hint: str,
+        every: float = 60.0,
+        loud_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self.what = what
+        self.hint = hint
+        self.every = every
+        self.loud_after = loud_after
+        self._clock = clock
+        #: When the outage began, and when a line last said it (None: no outage).
+        self._began: float | None = None
+        self._said_at = 0.0
+        self._said = ""
+        self._loud = False
+        #: Failures since the outage began.
+        self.tries = 0
+
+    def failed(self, error: BaseException) -> None:
+        """One more failed try."""
+        now = self._clock()
+        text = str(error).strip() or type(error).__name__
+        if self._began is None:
+            self._began, self.tries, self._loud = now, 0, False
+        self.tries += 1
+        lasted = now - self._began
+        if not self._loud and lasted >= self.loud_after:
+            self._loud = True
+            self._log.error(
+                "%s for %.0fs (%d tries): %s; still retrying. %s",
+                self.what, lasted, self.tries, text, self.hint,
+            )  # fmt: skip
+        elif self.tries == 1 or text != self._said:
+            self._log.warning("%s (%s); retrying", self.what, text)
+        elif now - self._said_at >= self.every:
+            self._log.warning(
+                "%s for %.0fs (%d tries): %s; retrying", self.what, lasted, self.tries, text
+            )
+        else:
+            return
+        self._said, self._said_at = text, now
+
+    def ended(self) -> None:
+        """A try succeeded: an outage, if there was one, is over."""
+        if self._began is None:
+            return
+        self._log.info(
+            "%s: over after %.0fs (%d failed tries)",
+            self.what, self._clock() - self._began, self.tries,
+        )  # fmt: skip
+        self._began = None
 
 
 class _Fields(logging.Filter):

@@ -45,7 +45,7 @@ from publisher.health import Health, KafkaProbe
 from publisher.heartbeat import Heartbeat
 from publisher.holds import HoldRunner
 from publisher.lanes import LaneKeeper
-from publisher.logs import MessageLog
+from publisher.logs import MessageLog, Outage
 from publisher.metrics import PublisherMetrics, StatusRead, StatusReader
 from publisher.outcomes import (
     ATTEMPT_OUTCOME,
@@ -81,6 +81,13 @@ from publisher.tracing import BatchSpans, batch_spans
 from publisher.waker import Waker
 
 log = logging.getLogger(__name__)
+
+#: What to check when the database has been away a while (``Outage``): it may
+#: not end by itself.
+DATABASE_HINT = (
+    "Check that PostgreSQL runs and this host reaches it, and that the database URL's "
+    "host, port, database name, user and password (or password file) are right"
+)
 
 
 @dataclass
@@ -166,6 +173,11 @@ class Publisher:
         #: Batches in a row that the broker could not take (an outage) and that
         #: delivered nothing: the loop backs off by this count (``_outage_pause``).
         self._outages = 0
+        #: The log lines of the database being away, at start and later.
+        self.database_away = Outage(log, "database unavailable", hint=DATABASE_HINT, clock=clock)
+        self.database_away_at_start = Outage(
+            log, "database unavailable at start", hint=DATABASE_HINT, clock=clock
+        )
         #: What ``/healthz`` and ``/readyz`` answer from.
         self.health = Health(
             stall_seconds=config.stall_seconds,
@@ -233,15 +245,15 @@ class Publisher:
                     self.maintain()
                     if self.run_once():
                         self.waker.awake()  # busy: commits need not notify
-                        self.health.database.succeeded()
+                        self._database_answered(self.database_away)
                         self._outage_pause()
                         continue
                     wait = self._idle_wait()
-                    self.health.database.succeeded()
+                    self._database_answered(self.database_away)
                     if wait is not None and self.waker.fall_asleep():
                         continue  # announced asleep: claim once more, then wait
                 except psycopg.OperationalError as exc:
-                    log.warning("database unavailable (%s); retrying", exc)
+                    self.database_away.failed(exc)
                     self.health.database.failed(exc)
                     self.store.close()
                     wait = self.config.poll_interval
@@ -277,12 +289,12 @@ class Publisher:
                 self.store.register(self._version, self._pid, self.config.lease_seconds)
                 break
             except psycopg.OperationalError as exc:
-                log.warning("database unavailable at start (%s); retrying", exc)
+                self.database_away_at_start.failed(exc)
                 self.health.database.failed(exc)
                 self.store.close()
                 if self._stopping.wait(self.config.poll_interval):
                     return False
-        self.health.database.succeeded()
+        self._database_answered(self.database_away_at_start)
         self.health.registered = True
         self.started = True
         self.waker.start()
@@ -314,6 +326,10 @@ class Publisher:
             self.config.poll_interval,
         )
         return True
+
+    def _database_answered(self, outage: Outage) -> None:
+        self.health.database.succeeded()
+        outage.ended()
 
     def _shut_down(self) -> None:
         # Never registered (the database refused it: no schema, no publisher role):

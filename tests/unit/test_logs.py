@@ -17,7 +17,7 @@ from kafka.errors import (
     SaslAuthenticationFailedError,
 )
 
-from publisher.logs import JsonFormatter, MessageLog, configure_logging
+from publisher.logs import JsonFormatter, MessageLog, Outage, configure_logging
 from publisher.socket_guard import WriteDeadlinePassed
 
 MESSAGE_ID = uuid.UUID("01890a5d-ac96-774b-bcce-b302099a8057")
@@ -262,3 +262,49 @@ def test_a_client_line_that_cannot_be_formatted_does_not_raise_into_the_client()
         bad.error("%s: Connection lost: %s", "one argument for two")  # as a library may
     finally:
         logging.raiseExceptions = before
+
+
+def test_an_outage_is_logged_once_then_every_minute_then_as_an_error_and_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A try a second for two minutes gives a handful of lines, not 120: the first failure,
+    each change of what the failure says, a reminder a minute, one ERROR once it has
+    lasted a minute, and one line when it is over."""
+    now = [0.0]
+    outage = Outage(
+        logging.getLogger("outage-test"), "database unavailable", hint="Check it.",
+        clock=lambda: now[0],
+    )  # fmt: skip
+    refused = OSError("connection refused")
+    caplog.set_level(logging.INFO, logger="outage-test")
+    for second in range(30):
+        now[0] = float(second)
+        outage.failed(refused)
+    now[0] = 30.0
+    outage.failed(OSError("the database system is starting up"))
+    for second in range(31, 121):
+        now[0] = float(second)
+        outage.failed(refused)
+    now[0] = 121.0
+    outage.ended()
+    outage.ended()  # no outage: nothing to say
+
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("WARNING", "database unavailable (connection refused); retrying"),
+        ("WARNING", "database unavailable (the database system is starting up); retrying"),
+        ("WARNING", "database unavailable (connection refused); retrying"),
+        (
+            "ERROR",
+            "database unavailable for 60s (61 tries): connection refused; still retrying. "
+            "Check it.",
+        ),
+        ("WARNING", "database unavailable for 120s (121 tries): connection refused; retrying"),
+        ("INFO", "database unavailable: over after 121s (121 failed tries)"),
+    ]
+    # A new outage starts its own count, and is loud again after its own minute.
+    caplog.clear()
+    for second in range(200, 261):
+        now[0] = float(second)
+        outage.failed(refused)
+    assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]
