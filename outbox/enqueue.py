@@ -42,6 +42,15 @@ from outbox.queries import query
 #: Rows per INSERT statement in ``enqueue_many``: 7 parameters a row stays far
 #: below PostgreSQL's limit of 65,535 parameters per statement.
 MAX_ROWS_PER_STATEMENT = 5_000
+#: Bytes of intents (values, keys, headers, topics, idempotency keys) per INSERT
+#: statement in ``enqueue_many``, past which the next intent goes into another:
+#: PostgreSQL closes the connection on a protocol message over 1 GB, and a
+#: driver that sends bytea as hex text (SQLAlchemy with a client-side cursor)
+#: doubles it. A statement holds at least one intent, whatever its size.
+MAX_BYTES_PER_STATEMENT = 64 * 1024 * 1024
+#: The largest each of ``Outbox``'s limits may be: one intent at all three
+#: limits, sent as hex text, stays under PostgreSQL's 1 GB.
+LARGEST_LIMIT = 100 * 1024 * 1024
 _ROW = "(%s::uuid, %s::text, %s::bytea, %s::bytea, %s::text[], %s::bytea[], %s::text)"
 
 
@@ -81,6 +90,11 @@ class Outbox:
                 raise TypeError(f"Outbox {name} must be an int, got {type(limit).__name__}")
             if limit < 1:
                 raise ValueError(f"Outbox {name} must be at least 1, got {limit}")
+            if limit > LARGEST_LIMIT:
+                raise ValueError(
+                    f"Outbox {name} must be at most {LARGEST_LIMIT} (100 MiB), got {limit}: "
+                    "PostgreSQL takes no statement of 1 GB or more"
+                )
 
     def enqueue(
         self,
@@ -101,7 +115,8 @@ class Outbox:
         return _run(executor_for(conn), [intent])[0]
 
     def enqueue_many(self, conn: object, messages: Iterable[Message]) -> list[uuid.UUID]:
-        """Write many intents in one statement (per 5,000) and return their ids in order.
+        """Write many intents in one statement (per 5,000, or 64 MiB) and return their ids
+        in order.
 
         Every message is validated before the first row is written; the first
         invalid one raises, naming its position. The call writes all its
@@ -183,8 +198,9 @@ Steps = Generator[Statement, Rows, list[uuid.UUID]]
 
 def _run(executor: Executor, intents: Sequence[Intent]) -> list[uuid.UUID]:
     """Run the insert steps of ``intents``, in a savepoint when they need one."""
-    steps = _insert(intents)
-    with executor.savepoint() if _needs_savepoint(intents) else nullcontext():
+    statements = _statements(intents)
+    steps = _insert(statements)
+    with executor.savepoint() if _needs_savepoint(statements) else nullcontext():
         statement = next(steps)
         while True:
             rows = executor.fetchall(*statement)
@@ -197,8 +213,9 @@ def _run(executor: Executor, intents: Sequence[Intent]) -> list[uuid.UUID]:
 
 async def _run_async(executor: AsyncExecutor, intents: Sequence[Intent]) -> list[uuid.UUID]:
     """``_run`` on an async connection; a cancelled call rolls back to its savepoint."""
-    steps = _insert(intents)
-    async with executor.savepoint() if _needs_savepoint(intents) else nullcontext():
+    statements = _statements(intents)
+    steps = _insert(statements)
+    async with executor.savepoint() if _needs_savepoint(statements) else nullcontext():
         statement = next(steps)
         while True:
             rows = await executor.fetchall(*statement)
@@ -209,22 +226,54 @@ async def _run_async(executor: AsyncExecutor, intents: Sequence[Intent]) -> list
                 return ids
 
 
-def _needs_savepoint(intents: Sequence[Intent]) -> bool:
-    """Whether the call could end, failed or cancelled, with part of its intents written.
-
-    One INSERT writes all its rows or none. A call needs more than one when
-    it has more than 5,000 intents; and when an idempotency key is taken, a
-    second statement looks it up after the INSERT wrote the other rows. Such
-    a call runs in a savepoint: if it raises (or its task is cancelled) the
-    savepoint is rolled back to, so none of its rows remain.
-    """
-    return len(intents) > MAX_ROWS_PER_STATEMENT or (
-        len(intents) > 1 and any(i.idempotency_key is not None for i in intents)
+def _size(intent: Intent) -> int:
+    """The bytes an intent puts into a statement."""
+    return (
+        len(intent.value)
+        + len(intent.key or b"")
+        + sum(len(name.encode()) for name in intent.header_names)
+        + sum(len(value) for value in intent.header_values)
+        + len(intent.topic.encode())
+        + len((intent.idempotency_key or "").encode())
     )
 
 
-def _insert(intents: Sequence[Intent]) -> Steps:
-    """Insert intents, one statement per 5,000; return their ids in order.
+def _statements(intents: Sequence[Intent]) -> list[Sequence[Intent]]:
+    """The intents of each INSERT statement, in order: up to ``MAX_ROWS_PER_STATEMENT``
+    of them and ``MAX_BYTES_PER_STATEMENT`` of their bytes (at least one intent)."""
+    statements: list[Sequence[Intent]] = []
+    start = size = 0
+    for index, intent in enumerate(intents):
+        bytes_ = _size(intent)
+        if index > start and (
+            index - start >= MAX_ROWS_PER_STATEMENT or size + bytes_ > MAX_BYTES_PER_STATEMENT
+        ):
+            statements.append(intents[start:index])
+            start, size = index, 0
+        size += bytes_
+    if start < len(intents):
+        statements.append(intents[start:])
+    return statements
+
+
+def _needs_savepoint(statements: Sequence[Sequence[Intent]]) -> bool:
+    """Whether the call could end, failed or cancelled, with part of its intents written.
+
+    One INSERT writes all its rows or none. A call needs more than one when
+    it has more than 5,000 intents or 64 MiB of them; and when an idempotency
+    key is taken, a second statement looks it up after the INSERT wrote the
+    other rows. Such a call runs in a savepoint: if it raises (or its task is
+    cancelled) the savepoint is rolled back to, so none of its rows remain.
+    """
+    return len(statements) > 1 or (
+        len(statements) == 1
+        and len(statements[0]) > 1
+        and any(i.idempotency_key is not None for i in statements[0])
+    )
+
+
+def _insert(statements: Sequence[Sequence[Intent]]) -> Steps:
+    """Insert intents, one statement for each of ``statements``; return their ids in order.
 
     Each statement locks its keys in one global order (take_key_locks). A
     call of several statements first takes the locks of all its keys, in one
@@ -234,8 +283,8 @@ def _insert(intents: Sequence[Intent]) -> Steps:
     """
     ids: list[uuid.UUID] = []
     locked_first = False
-    if len(intents) > MAX_ROWS_PER_STATEMENT:
-        keyed = [i for i in intents if i.key is not None]
+    if len(statements) > 1:
+        keyed = [i for intents in statements for i in intents if i.key is not None]
         if keyed:
             yield (
                 query("lock_keys").format(take_key_locks=query("take_key_locks")),
@@ -245,9 +294,8 @@ def _insert(intents: Sequence[Intent]) -> Steps:
                 },
             )
             locked_first = True
-    for start in range(0, len(intents), MAX_ROWS_PER_STATEMENT):
-        chunk = intents[start : start + MAX_ROWS_PER_STATEMENT]
-        ids += yield from _insert_statement(chunk, lock=not locked_first)
+    for intents in statements:
+        ids += yield from _insert_statement(intents, lock=not locked_first)
     return ids
 
 

@@ -457,6 +457,30 @@ def test_sync_enqueue_many_failing_in_its_second_statement_leaves_none_of_its_ro
     assert _committed(database_url) == [(before, b"before"), (after, b"after")]
 
 
+@pytest.mark.parametrize("opener", ["psycopg", "psycopg-client-cursor", "sa-connection"])
+def test_enqueue_many_of_more_bytes_than_a_statement_takes_is_split_and_all_or_none(
+    database_url: str, opener: str
+) -> None:
+    """33 values of 2 MiB are over 64 MiB: the call takes two statements (a second that
+    fails leaves none of its rows), however few its messages; and succeeds whole."""
+    big = outbox.Outbox(max_value_bytes=2 * 1024 * 1024)
+    messages = [outbox.Message("t", bytes([n]) * (2 * 1024 * 1024)) for n in range(33)]
+    with _sync_conn(opener, database_url, options="-c lock_timeout=200") as conn:
+        with (
+            _key_held(database_url, "t", "hot"),
+            pytest.raises(Exception) as failed,  # noqa: PT011 - checked below
+        ):
+            # Only the last message is keyed, and in the second statement.
+            big.enqueue_many(conn, [*messages, outbox.Message("t", b"last", key="hot")])
+        assert _lock_timeout(failed.value)
+        ids = big.enqueue_many(conn, messages)
+        conn.commit()
+    stored = _committed(database_url)
+    assert [id_ for id_, _ in stored] == ids
+    assert [value[:1] for _, value in stored] == [bytes([n]) for n in range(33)]
+    assert {len(value) for _, value in stored} == {2 * 1024 * 1024}
+
+
 def _lock_timeout(exc: BaseException) -> bool:
     """The error is PostgreSQL's lock_timeout (raised by psycopg, or wrapped by SQLAlchemy)."""
     return isinstance(getattr(exc, "orig", exc), psycopg.errors.LockNotAvailable)
