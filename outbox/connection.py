@@ -291,6 +291,8 @@ def executor_for(conn: object, purpose: Purpose = ENQUEUE) -> Executor:
                     pipeline.sync()
             except psycopg.Error as exc:
                 _failed_in_pipeline(conn, exc, purpose)
+                with conn.pipeline() as pipeline:
+                    pipeline.sync()  # see _failed_in_pipeline
         _check_transaction(conn, purpose)
         return PsycopgExecutor(conn)
     if isinstance(conn, psycopg.AsyncConnection):
@@ -310,6 +312,8 @@ async def async_executor_for(conn: object, purpose: Purpose = ENQUEUE) -> AsyncE
                     await pipeline.sync()
             except psycopg.Error as exc:
                 _failed_in_pipeline(conn, exc, purpose)
+                async with conn.pipeline() as pipeline:
+                    await pipeline.sync()  # see _failed_in_pipeline
         _check_transaction(conn, purpose)
         return AsyncPsycopgExecutor(conn)
     if isinstance(conn, psycopg.Connection):
@@ -454,9 +458,11 @@ def _failed_in_pipeline(
 
     Outside autocommit every statement runs in the caller's transaction, which
     the failure aborted: say so now. libpq may not have read the server's new
-    transaction status yet when the sync returns, so the status is no proof.
-    In autocommit the failed statement may have been a transaction of its own:
-    the status check decides.
+    transaction status yet when the sync returns (it can still say ACTIVE), so
+    the status is no proof. In autocommit the failed statement may have been a
+    transaction of its own, or one of a ``conn.transaction()`` block: the
+    caller syncs once more, which returns with the status read, and the status
+    check decides.
     """
     if not conn.autocommit:
         raise TransactionAborted(_aborted(purpose)) from error

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import secrets
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -18,6 +20,7 @@ from psycopg.types.string import TextLoader
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
+import outbox.aio
 from outbox.connection import executor_for
 from outbox.enqueue import MAX_ROWS_PER_STATEMENT
 from tests.support import submit_until_waiting, wait_until, waiting_on_lock
@@ -249,6 +252,47 @@ def test_in_pipeline_mode_a_failed_statement_is_reported_before_sql(database_url
         outbox.enqueue(conn, "orders", b"after the rollback")
         conn.commit()
     assert [row[3] for row in _rows(database_url)] == [b"after the rollback"]
+
+
+def _enqueue_after_a_failure(conn: psycopg.Connection[Any]) -> str:
+    """What enqueue raises in an autocommit connection's transaction block whose statement
+    failed in pipeline mode (the class name)."""
+    try:
+        with conn.transaction(), conn.pipeline():
+            conn.execute("SELECT 1 / 0")
+            outbox.enqueue(conn, "orders", b"x")
+    except Exception as exc:  # noqa: BLE001 - the outcome is its class
+        return type(exc).__name__
+    return "written"
+
+
+async def _enqueue_async_after_a_failure(conn: psycopg.AsyncConnection[Any]) -> str:
+    """``_enqueue_after_a_failure`` on an async connection."""
+    try:
+        async with conn.transaction(), conn.pipeline():
+            await conn.execute("SELECT 1 / 0")
+            await outbox.aio.enqueue(conn, "orders", b"x")
+    except Exception as exc:  # noqa: BLE001 - the outcome is its class
+        return type(exc).__name__
+    return "written"
+
+
+def test_an_autocommit_transaction_block_failed_in_pipeline_mode_is_reported_every_time(
+    database_url: str,
+) -> None:
+    """In autocommit, a failed statement of a ``conn.transaction()`` block: right after the
+    sync libpq may still say the status is ACTIVE, not failed. Every try of many says the
+    transaction failed, before any SQL, sync and async alike."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        outcomes = Counter(_enqueue_after_a_failure(conn) for _ in range(100))
+
+    async def in_async() -> Counter[str]:
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            return Counter([await _enqueue_async_after_a_failure(conn) for _ in range(100)])
+
+    assert outcomes == {"TransactionAborted": 100}
+    assert asyncio.run(in_async()) == {"TransactionAborted": 100}
+    assert _rows(database_url) == []
 
 
 def test_other_connection_types_are_refused(database_url: str) -> None:
