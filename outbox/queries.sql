@@ -1502,7 +1502,11 @@ SELECT
 -- decides an uncertain message "absent, but a later message of its key is in
 -- Kafka" by finding that later message's row (later_of_key): purged, it
 -- would be resent out of order. Delivered and discarded are final and hold
--- nothing. The probe reads the small messages_open_keys index.
+-- nothing. The probe reads the small messages_open_keys index, by key for
+-- each row, whatever the statistics say (OFFSET 0 keeps it a subplan run per
+-- row): a planner that believes almost nothing is open (statistics taken
+-- before a backlog) would otherwise read every open row once and test each
+-- of the step's rows against all of them, seconds a step over a backlog.
 WITH scanned AS (
     SELECT id FROM outbox.messages
     WHERE id > %(after)s AND id < outbox.uuid7_floor(now() - %(age)s::interval)
@@ -1518,7 +1522,8 @@ deleted AS (
                       WHERE m.key IS NOT NULL
                         AND e.key IS NOT NULL AND e.key_hash = m.key_hash AND e.seq < m.seq
                         AND e.state IN ('pending', 'in_flight', 'uncertain', 'quarantined')
-                        AND e.topic = m.topic AND e.key = m.key)
+                        AND e.topic = m.topic AND e.key = m.key
+                      OFFSET 0)
     RETURNING 1
 )
 SELECT (SELECT id FROM scanned ORDER BY id DESC LIMIT 1), (SELECT count(*) FROM deleted)
@@ -1567,7 +1572,8 @@ SELECT (SELECT message_id FROM last), (SELECT id FROM last), (SELECT count(*) FR
 -- name: purge_batches
 -- One bounded step: closed batches claimed before the cutoff, except those
 -- an uncertain message still needs for reconciliation (an open batch is in
--- flight: recovery needs it).
+-- flight: recovery needs it). Each batch's uncertain messages are looked up
+-- by its id, whatever the statistics say (OFFSET 0: see purge_delivered).
 -- Batch ids grow with their claim time, so the walk ends (NULL) at the first
 -- batch claimed after the cutoff.
 WITH scanned AS (
@@ -1583,7 +1589,8 @@ deleted AS (
     WHERE b.id = s.id AND s.old
       AND b.settled_at IS NOT NULL
       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
-                      WHERE m.batch_id = b.id AND m.state = 'uncertain')
+                      WHERE m.batch_id = b.id AND m.state = 'uncertain'
+                      OFFSET 0)
     RETURNING 1
 )
 SELECT CASE WHEN bool_and(s.old) THEN max(s.id) END, 0, (SELECT count(*) FROM deleted)

@@ -230,3 +230,44 @@ def test_settles_lock_partition_offsets_in_one_order(
         upsert = plan[plan.index("Insert on partition_offsets") :]
         sorted_rows = re.search(r"Sort Key: (settled\w*)\.topic, \1\.kafka_partition", upsert)
         assert sorted_rows is not None, (name, plan)
+
+
+def _assert_probed_per_row(plan: str) -> None:
+    """An EXISTS probe run once per row through an index, not one hash of every open row
+    (which the planner picks when it believes there are almost none: each step of 1,000
+    rows then reads the whole open backlog once, and tests each row against it)."""
+    assert "hashed SubPlan" not in plan, plan
+    assert "Anti Join" not in plan, plan
+
+
+def test_retention_probes_open_messages_per_row(
+    stale_backlog: tuple[str, ClaimingStore],
+) -> None:
+    """purge_delivered looks for an earlier open message of each delivered one's key, and
+    purge_batches for an uncertain message of each batch: by key, whatever the statistics
+    say of the open backlog; and they still keep what they must."""
+    url, store = stale_backlog
+    batch = store.claim(BATCH, 30.0)
+    assert batch is not None
+    store.mark_sending(batch, {"t": 1}, write_deadline_seconds=0.0)
+    with psycopg.connect(url) as conn:
+        # Its messages uncertain, the batch settled: it is evidence they still need.
+        conn.execute(
+            "UPDATE outbox.messages SET state = 'uncertain', fence = fence + 1, batch_id = %s "
+            "WHERE id = ANY(%s)",
+            (batch.id, [m.id for m in batch.messages]),
+        )
+        conn.execute("UPDATE outbox.batches SET settled_at = now() WHERE id = %s", (batch.id,))
+        conn.commit()
+        params = {"after": uuid.UUID(int=0), "after_n": 0, "age": "0 seconds", "limit": 1000}
+        _assert_probed_per_row(_plan(conn, query("purge_delivered"), params))
+        _assert_probed_per_row(_plan(conn, query("purge_batches"), {**params, "after": 0}))
+        _, deleted = conn.execute(query("purge_delivered"), params).fetchone() or (None, 0)
+        conn.commit()
+        # The 2,000 delivered messages came before the backlog of their keys: none waits.
+        assert deleted == 1000
+        conn.execute(query("purge_batches"), {**params, "after": 0})
+        kept = conn.execute(
+            "SELECT count(*) FROM outbox.batches WHERE id = %s", (batch.id,)
+        ).fetchone()
+        assert kept == (1,)
