@@ -1302,6 +1302,14 @@ SELECT topic, state, messages, oldest_created_at, oldest_age_seconds, waiting_re
        overdue, held_keys, live_publishers, healthy, next_action, exact
 FROM outbox.status
 
+-- name: idle_transaction_limit
+-- For the publisher's store: the server ends the session (rolling its
+-- transaction back) once a transaction of it has stayed idle %(limit)s
+-- milliseconds. Its transactions last two statements; one held open longer
+-- is a process that stopped between them (frozen, paused with its host), whose
+-- row locks would otherwise hold others back for as long as it stays so.
+SELECT set_config('idle_in_transaction_session_timeout', %(limit)s, false)
+
 -- name: jit_off
 -- For a session whose statements take milliseconds (the status readers, the
 -- publisher's store): with many open messages their estimated cost passes

@@ -17,7 +17,8 @@ import functools
 import math
 import socket
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -147,6 +148,16 @@ class Decision:
     evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: Seconds a transaction of the store may stay idle before the server ends its
+#: session (``idle_transaction_limit``). Its transactions run two statements
+#: back to back (``mark_sending``, ``renew_lanes``): one idle this long belongs
+#: to a process stopped between them (SIGSTOP, a paused container or VM), whose
+#: locks would keep recovery from its batch, and other publishers from its
+#: lanes once their leases ran out, for as long as it stays stopped; the TCP
+#: keepalives of a stopped process are still answered by its kernel.
+IDLE_TRANSACTION_LIMIT = 10.0
+
+
 class PublisherStore:
     """One publisher's connection to the outbox tables."""
 
@@ -156,9 +167,11 @@ class PublisherStore:
         publisher_id: uuid.UUID,
         *,
         statements: Mapping[str, str] | None = None,
+        idle_transaction_limit: float = IDLE_TRANSACTION_LIMIT,
     ) -> None:
         self.conninfo = conninfo
         self.publisher_id = publisher_id
+        self.idle_transaction_limit = idle_transaction_limit
         self._conn: psycopg.Connection[Any] | None = None
         #: Statements used instead of the named queries of the same name (the
         #: throughput benchmark measures an older cycle side by side with this one).
@@ -198,9 +211,37 @@ class PublisherStore:
                 # which a threshold of None would refuse.
                 prepare_threshold=_NEVER_BY_COUNT,
             )
-            conn.execute(query("jit_off"))
+            try:
+                conn.execute(query("jit_off"))
+                conn.execute(
+                    query("idle_transaction_limit"),
+                    {"limit": str(max(1, round(self.idle_transaction_limit * 1000)))},
+                )
+            except BaseException:
+                conn.close()
+                raise
             self._conn = conn
         return self._conn
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """One of the store's transactions of two statements, on its connection.
+
+        A session the server ended because the transaction stayed idle
+        (``idle_transaction_limit``: this process was stopped between the two)
+        raises as the connection lost that it is (``OperationalError``, which
+        the callers retry), not as the internal error psycopg names it.
+        """
+        conn = self.conn
+        try:
+            with conn.transaction():
+                yield conn
+        except psycopg.errors.IdleInTransactionSessionTimeout as exc:
+            self.close()
+            raise psycopg.OperationalError(
+                f"the database ended this session, its transaction idle too long "
+                f"(this process was stopped?): {exc}"
+            ) from exc
 
     def close(self) -> None:
         """Close the connection (a later call reopens it)."""
@@ -248,9 +289,9 @@ class PublisherStore:
     def renew_lanes(self, lease_seconds: float) -> tuple[set[int], int]:
         """Renew this publisher's unexpired lanes; return them and the fair share, atomically."""
         params = {"owner": self.publisher_id, "lease_seconds": float(lease_seconds)}
-        with self.conn.transaction():
-            kept = {row[0] for row in self.conn.execute(query("renew_lanes"), params)}
-            row = self.conn.execute(query("fair_share"), params).fetchone()
+        with self._transaction() as conn:
+            kept = {row[0] for row in conn.execute(self._sql("renew_lanes"), params)}
+            row = conn.execute(self._sql("fair_share"), params).fetchone()
         return kept, int(row[0]) if row else 1
 
     def acquire_lanes(self, count: int, lease_seconds: float) -> set[int]:
@@ -336,9 +377,9 @@ class PublisherStore:
         given up on every record, and (transactional delivery) the
         transactional.id the records are sent under.
         """
-        with self.conn.transaction():
-            self.conn.execute(self._sql("lock_batch"), {"batch_id": batch.id})
-            rows = self.conn.execute(
+        with self._transaction() as conn:
+            conn.execute(self._sql("lock_batch"), {"batch_id": batch.id})
+            rows = conn.execute(
                 self._sql("mark_sending"),
                 {
                     "batch_id": batch.id,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -186,3 +188,62 @@ def _retry(m: ClaimedMessage) -> Settlement:
         error="retry",
         retry_after=0.0,
     )
+
+
+class StoppingStore(PublisherStore):
+    """A store whose process stops (SIGSTOP, a paused host) inside renew_lanes, between its
+    two statements, until ``go`` is set."""
+
+    def __init__(self, database_url: str, *, idle_transaction_limit: float) -> None:
+        super().__init__(database_url, uuid.uuid4(), idle_transaction_limit=idle_transaction_limit)
+        self.stopped = threading.Event()
+        self.go = threading.Event()
+
+    def _sql(self, name: str) -> str:
+        if name == "fair_share":  # renew_lanes ran; its lane rows are locked
+            self.stopped.set()
+            self.go.wait(60)
+        return super()._sql(name)
+
+
+@pytest.mark.parametrize("limited", [True, False], ids=["limited", "unlimited"])
+def test_a_publisher_stopped_inside_its_lane_renewal_does_not_hold_its_lanes_for_ever(
+    database_url: str, *, limited: bool
+) -> None:
+    """Stopped between renew_lanes and the commit, a publisher keeps its lane rows locked:
+    a claim of free or expired lanes skips locked rows, so no other publisher could take
+    them, whatever their leases said. The server ends such a session once its transaction
+    has been idle ``idle_transaction_limit``: the lanes go to the others once their leases
+    run out (without the limit, they stay), and the stopped publisher, woken, sees a lost
+    connection, which it retries, not an error that would end its heartbeat."""
+    frozen = StoppingStore(database_url, idle_transaction_limit=0.5 if limited else 3600.0)
+    other = PublisherStore(database_url, uuid.uuid4())
+    try:
+        assert len(frozen.acquire_lanes(LANES, lease_seconds=1.0)) == LANES
+        with ThreadPoolExecutor(1) as pool:
+            renewal = pool.submit(frozen.renew_lanes, 1.0)
+            assert frozen.stopped.wait(10)
+            taken: set[int] = set()
+
+            def others_take_them() -> bool:
+                taken.update(other.acquire_lanes(LANES, lease_seconds=30.0))
+                return len(taken) == LANES
+
+            try:
+                if limited:
+                    wait_until(others_take_them, timeout=15, what="the others to take the lanes")
+                else:
+                    with pytest.raises(AssertionError):
+                        wait_until(others_take_them, timeout=3, what="the lanes, still locked")
+                    assert taken == set()
+            finally:
+                frozen.go.set()
+            if limited:
+                with pytest.raises(psycopg.OperationalError, match="ended this session"):
+                    renewal.result(timeout=10)
+                assert frozen.renew_lanes(1.0)[0] == set()  # reconnected; the lanes are gone
+            else:
+                assert renewal.result(timeout=10)[0] == set(range(LANES))
+    finally:
+        frozen.close()
+        other.close()
