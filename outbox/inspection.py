@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 from outbox.errors import OutboxError
 from outbox.ids import created_at
 from outbox.queries import query
-from outbox.states import WAITING_NOTE, State
+from outbox.states import OVERTAKEN_NOTE, WAITING_NOTE, State
 
 #: How far a writer's clock (which dates a message id) may run ahead of the
 #: database's (which dates claims) for the search of a purged message's
@@ -46,9 +46,16 @@ _NEXT_ACTION = {
     State.DISCARDED: "none: an operator decided not to deliver it",
 }
 _ESCALATED_ACTION = (
-    "the evidence in Kafka is gone: check the topic, then decide with "
-    "outbox resolve ID --delivered|--pending|--discard --fence {fence} --reason TEXT "
-    "(refused if the message changed since fence {fence})"
+    "the reconciler could not decide it from Kafka: its last error says why. Check, then "
+    "decide with outbox resolve ID --delivered|--pending|--discard --fence {fence} "
+    "--reason TEXT (refused if the message changed since fence {fence})"
+)
+#: Escalated because later messages of its key are in Kafka while its record is not.
+_OVERTAKEN_ACTION = (
+    "its record was never written, and later messages of its key were: "
+    "outbox resolve ID --pending --fence {fence} --reason TEXT sends it after them, "
+    "outbox resolve ID --discard --fence {fence} --reason TEXT never sends it "
+    "(--delivered would lose it; refused if the message changed since fence {fence})"
 )
 #: An uncertain message whose last error is the reconciler's note that it waits on Kafka.
 _WAITING_ACTION = (
@@ -180,7 +187,9 @@ class Timeline:
         """In the order of the status view's uncertain line: what only a person can do
         first (escalated), then no publisher, the reconciler's note, overdue, wait."""
         if message["escalated_at"] is not None:
-            return _ESCALATED_ACTION.format(fence=message["fence"])
+            overtaken = (message["last_error"] or "").startswith(OVERTAKEN_NOTE)
+            action = _OVERTAKEN_ACTION if overtaken else _ESCALATED_ACTION
+            return action.format(fence=message["fence"])
         if not self.publisher_running:
             return _NO_PUBLISHER_ACTION[State.UNCERTAIN]
         if (message["last_error"] or "").startswith(WAITING_NOTE):

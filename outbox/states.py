@@ -30,3 +30,8 @@ OPEN_STATES = (State.PENDING, State.IN_FLIGHT, State.UNCERTAIN, State.QUARANTINE
 #: reconciliation waits on Kafka: the reconciler writes it, and ``outbox inspect``, the
 #: views ``outbox.status`` and ``outbox.held_keys`` (schema/0014) tell it by this prefix.
 WAITING_NOTE = "reconciliation waits: "
+
+#: How the reason begins that the reconciler escalates an uncertain message with when it
+#: proved its record absent but later messages of its key are in Kafka: sending it now
+#: would put it after them, and ``outbox inspect`` offers ``--pending`` or ``--discard``.
+OVERTAKEN_NOTE = "proven absent, but later messages of its key are in Kafka: "

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 
-from outbox.states import WAITING_NOTE, State
+from outbox.states import OVERTAKEN_NOTE, WAITING_NOTE, State
 from publisher.config import DEFAULT_ABSENCE_GRACE, LEAST_HELD_BACK_NOTE_SECONDS
 from publisher.fencing import Fencer
 from publisher.logs import MessageLog
@@ -745,14 +745,28 @@ class Reconciler:
                 report.deferred.append(m.id)
                 read_on.append(m)
                 continue
-            gone = (
-                self._evidence_gone(where, r.deleted)
-                or self._compacted_away(m, where, r.key_records, cleanup)
-                or self._overtaken(m, r.key_ids)
+            gone = self._evidence_gone(where, r.deleted) or self._compacted_away(
+                m, where, r.key_records, cleanup
             )
+            overtaken = None if gone is not None else self._overtaken(m, r.key_ids)
             if gone is not None:
                 decisions.append(
                     self._escalate(m, gone, topic=topic, partition=partition, evidence=evidence)
+                )
+            elif overtaken is not None:
+                # Nothing is gone: its record was never written. Only a person may
+                # put it after them (or drop it).
+                reason, later = overtaken
+                decisions.append(
+                    Decision(
+                        m.id,
+                        m.fence,
+                        State.UNCERTAIN,
+                        f"{reason} (in {where})",
+                        partition,
+                        None,
+                        {**evidence, "later_of_key": later},
+                    )
                 )
             else:
                 decisions.append(
@@ -942,8 +956,11 @@ class Reconciler:
             evidence["sent_seconds_ago"] = None if age is None else round(age, 3)
         return evidence
 
-    def _overtaken(self, message: UncertainMessage, key_ids: set[str]) -> str | None:
-        """Why sending an absent message now would break its key's order, if it would.
+    def _overtaken(
+        self, message: UncertainMessage, key_ids: set[str]
+    ) -> tuple[str, list[str]] | None:
+        """Why sending an absent message now would break its key's order, if it would, and
+        the later messages of its key in Kafka.
 
         A later message of its key written to the partition since (sent in the
         same batch and confirmed, while this one's record was lost) has
@@ -958,9 +975,10 @@ class Reconciler:
         if not later:
             return None
         return (
-            f"proven absent, but {len(later)} later message(s) of its key are already in "
-            f"Kafka after it was sent (first: {min(later)}): sending it now would break its "
-            "key's order"
+            f"{OVERTAKEN_NOTE}{len(later)} (first: {min(later)}), written after it was sent: "
+            "sending it now would put it after them; decide with outbox resolve --pending "
+            "(sent after them) or --discard (never sent), not --delivered",
+            sorted(str(i) for i in later),
         )
 
     @staticmethod

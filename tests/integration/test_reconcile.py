@@ -29,7 +29,7 @@ import outbox
 from outbox.inspection import list_messages, read_timeline
 from outbox.operator import DecisionRefused, Resolution, discard, resolve
 from outbox.render import listing_text
-from outbox.states import WAITING_NOTE, State
+from outbox.states import OVERTAKEN_NOTE, WAITING_NOTE, State
 from outbox.status import read_held_keys, read_status
 from publisher.fencing import KafkaFencer
 from publisher.outcomes import AttemptOutcome
@@ -591,10 +591,19 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
     assert report.pending == [other]
     state, _, _, escalated, last_error = _message(database_url, first)
     assert (state, escalated) == ("uncertain", True)
-    assert (
-        f"later message(s) of its key are already in Kafka after it was sent (first: {second})"
-        in last_error
-    )
+    assert last_error.startswith(f"{OVERTAKEN_NOTE}1 (first: {second}), written after it was sent")
+    [(*_, evidence)] = [d for d in _decisions(database_url) if d[0] == first]
+    assert evidence["later_of_key"] == [str(second)]
+    # Nothing of its evidence is gone: the next action offers what fits, not --delivered.
+    with psycopg.connect(database_url) as conn:
+        timeline = read_timeline(conn, first)
+        [line] = [s for s in read_status(conn) if s.state == "uncertain" and s.topic is None]
+    assert timeline is not None
+    action = timeline.next_action
+    assert action.startswith("its record was never written, and later messages of its key were")
+    assert "--pending" in action
+    assert "--discard" in action
+    assert line.next_action.startswith("1 escalated: the reconciler could not decide them")
 
 
 # Idempotent delivery only: a fenced transactional session leaves nothing above
@@ -824,7 +833,7 @@ def test_the_status_and_held_keys_views_give_the_waiting_note_as_the_next_action
         [key] = [h for h in read_held_keys(conn) if h.topic == topic]
         [line] = [line for line in read_status(conn) if line.state == "uncertain" and line.topic]
     assert key.reason == f"uncertain, escalated: {note}"
-    assert line.next_action.startswith("1 escalated: the evidence in Kafka is gone")
+    assert line.next_action.startswith("1 escalated: the reconciler could not decide them")
 
 
 def test_a_transaction_left_open_below_a_range_is_named_on_its_message(

@@ -57,6 +57,12 @@ def _reference_views(conn: psycopg.Connection[Any]) -> None:
         )
     ]
     status = text[text.index("CREATE OR REPLACE VIEW outbox.status AS") :]
+    # The escalated line's words since 0023 (every count and flag as 0008's).
+    escalated = status[status.index("'%s escalated: ") : status.index("l.escalated)")]
+    latest = (SCHEMA / "0023_escalated_reasons.sql").read_text()
+    status = status.replace(
+        escalated, latest[latest.index("'%s escalated: ") : latest.index("l.escalated)")]
+    )
     conn.execute(held.replace("VIEW outbox.held_keys", "VIEW pg_temp.held_keys_0008"))
     conn.execute(
         status.replace("VIEW outbox.status", "VIEW pg_temp.status_0008").replace(
@@ -78,7 +84,8 @@ def _agree(url: str) -> list[tuple[Any, ...]]:
     are estimated (attempts unknown). Each read in one transaction with the
     reference, so that now() is the same for both. The held keys: which, by
     what and how many wait; their reasons and next actions are worded
-    differently since (0014, 0018: test_ordering and test_reconcile check them).
+    differently since (0014, 0018: test_ordering and test_reconcile check them), and so
+    is the status view's escalated line (0023), whose words the reference takes.
     """
     held = "SELECT topic, key, held_by, state, waiting FROM {} ORDER BY topic, key, held_by"
     with psycopg.connect(url) as conn:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from outbox.inspection import OVERDUE_AFTER, Timeline
+from outbox.states import OVERTAKEN_NOTE
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 SECOND = timedelta(seconds=1)
@@ -107,8 +108,14 @@ def test_an_uncertain_message_next_action_in_the_status_view_order() -> None:
     note = "reconciliation waits: the producer session ..."
     late = NOW - OVERDUE_AFTER - SECOND
     escalated = _timeline("uncertain", escalated=True, running=False, last_error=note)
-    assert escalated.next_action.startswith("the evidence in Kafka is gone")
+    assert escalated.next_action.startswith("the reconciler could not decide it from Kafka")
     assert "--fence 3" in escalated.next_action
+    overtaken = _timeline(
+        "uncertain", escalated=True, last_error=f"{OVERTAKEN_NOTE}1 (first: ...), written ..."
+    )
+    assert overtaken.next_action.startswith("its record was never written")
+    assert "--delivered would lose it" in overtaken.next_action
+    assert "resolve ID --pending --fence 3" in overtaken.next_action
     stopped = _timeline("uncertain", running=False, last_error=note, available_at=late)
     assert stopped.next_action.startswith("no publisher is running to reconcile it")
     waiting = _timeline("uncertain", last_error=note, available_at=late)
