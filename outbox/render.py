@@ -327,9 +327,15 @@ def _optional(value: object) -> str | None:
     return None if value is None else printable(value)
 
 
+#: States whose row's partition says where its record is (or may be): delivered, uncertain
+#: ("offset not known": written there or nowhere), and discarded (decided from either).
+#: Quarantined and pending rows keep the partition a send aimed at, which wrote nothing.
+_LOCATED = frozenset({"delivered", "uncertain", "discarded"})
+
+
 def _shown(name: str, value: Any, m: Mapping[str, Any]) -> bool:
     if name == "location":
-        return m["kafka_partition"] is not None
+        return m["kafka_partition"] is not None and m["state"] in _LOCATED
     if name == "lease":
         return m["lease_owner"] is not None and bool(m["state"] == "in_flight")
     if name == "available at":

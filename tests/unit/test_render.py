@@ -235,3 +235,13 @@ def test_a_location_is_said_as_far_as_the_row_knows_it(
         assert f"location:        {shown}" in inspected
     if state == "delivered":
         assert shown in listed
+
+
+@pytest.mark.parametrize("state", ["quarantined", "pending"])
+def test_no_location_is_shown_for_a_message_whose_send_wrote_nothing(state: str) -> None:
+    """A refused or failed send keeps the partition it aimed at; "partition 1 offset not
+    known" would read as "written there or nowhere", which is what uncertain means."""
+    message = _message(state=state, kafka_partition=1, kafka_offset=None)
+    inspected = timeline_text(Timeline(uuid.UUID(int=9), message, [], [], None, None, []))
+    assert "location:" not in inspected
+    assert "partition 1" not in inspected
