@@ -20,6 +20,7 @@ import os
 import uuid
 
 import outbox
+from outbox.inspection import OVERDUE_AFTER
 from outbox.retention import parse_duration
 from publisher.config import KAFKA_DEFAULT_HIDDEN_SECONDS, PublisherConfig, redact
 from publisher.endpoints import EndpointServer
@@ -137,6 +138,19 @@ def start_warnings(config: PublisherConfig) -> list[str]:
             "follower that stopped copying keeps a written record unreadable with Kafka's "
             f"defaults ({KAFKA_DEFAULT_HIDDEN_SECONDS:g}s, 1.5 times replica.lag.time.max.ms): "
             "such a record could be proven absent and sent twice"
+        )
+    overdue = OVERDUE_AFTER.total_seconds()
+    if (
+        config.delivery == "idempotent"
+        and config.reconcile_interval > 0
+        and config.absence_grace + config.reconcile_interval >= overdue
+    ):
+        warnings.append(
+            f"the absence grace and the reconcile interval ({config.absence_grace:g}s and "
+            f"{config.reconcile_interval:g}s) reach the {overdue:g}s past its write deadline "
+            "after which outbox.status calls an undecided uncertain message overdue: a message "
+            "whose record is absent is called overdue (unhealthy, an alert) while it only "
+            "waits out the grace"
         )
     return warnings
 

@@ -65,6 +65,16 @@ def test_an_absence_grace_shorter_than_kafkas_defaults_hide_a_record_says_so_at_
     assert off.startswith("reconciliation is off")
 
 
+def test_a_grace_that_outlasts_the_overdue_time_says_so_at_start() -> None:
+    """outbox.status calls an uncertain message overdue 5 minutes past its write deadline:
+    a grace (and the pass after it) that long makes every absent record look stuck."""
+    [late] = start_warnings(_config(absence_grace=290, reconcile_interval=10))
+    assert "(290s and 10s) reach the 300s past its write deadline" in late
+    assert start_warnings(_config(absence_grace=289, reconcile_interval=10)) == []
+    # Transactional delivery waits for no grace.
+    assert start_warnings(_config(absence_grace=600, delivery="transactional")) == []
+
+
 def test_a_transaction_setting_under_idempotent_delivery_is_said_to_be_ignored() -> None:
     """--transaction-records set for a publisher that sends no transactions does nothing:
     said at start, rather than silently."""
