@@ -76,8 +76,15 @@ class Purpose:
 ENQUEUE = Purpose(
     doing="enqueuing",
     autocommit="so the intent would commit on its own; enqueue inside a transaction",
-    sync_hint="use outbox.enqueue / outbox.enqueue_many (without await)",
-    async_hint="use `await outbox.aio.enqueue(...)` / `await outbox.aio.enqueue_many(...)`",
+    sync_hint=(
+        "use outbox.enqueue / outbox.enqueue_many (without await; with an Outbox of your "
+        "own settings, its .enqueue / .enqueue_many)"
+    ),
+    async_hint=(
+        "use `await outbox.aio.enqueue(...)` / `await outbox.aio.enqueue_many(...)` (with an "
+        "Outbox of your own settings, `await its .enqueue_async(...)` / "
+        "`.enqueue_many_async(...)`)"
+    ),
 )
 MIGRATE = Purpose(
     doing="migrating",

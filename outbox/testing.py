@@ -100,7 +100,9 @@ class EnqueueRecorder:
         Read on a connection of its own (committed intents), or through
         ``conn`` (a psycopg ``Connection`` or a SQLAlchemy ``Session`` or
         ``Connection``, whatever its row factory, cursor factory or loaders),
-        which sees its own open transaction's intents too.
+        which sees its own open transaction's intents too. That read is a statement
+        on ``conn``: with no transaction open it begins one, as any statement does
+        (unless ``conn`` is in autocommit mode), which its owner ends.
         """
         if conn is not None:
             return self._read(executor_for(conn, _READ), topic)

@@ -308,12 +308,18 @@ def test_a_connection_of_the_other_kind_is_refused_with_the_api_to_use(
                     outbox.enqueue(conn, "orders", b"x")
                 with pytest.raises(outbox.ConnectionNotSupported, match=r"outbox\.aio\.enqueue"):
                     outbox.enqueue_many(conn, [outbox.Message("orders", b"x")])
+                # An Outbox of one's own settings is pointed to its own async methods,
+                # not to the module's calls, which would drop those settings.
+                with pytest.raises(outbox.ConnectionNotSupported, match=r"\.enqueue_async"):
+                    outbox.Outbox(max_value_bytes=10).enqueue(conn, "orders", b"x")
         engine = sa.create_engine(_sa_url(database_url), poolclass=sa.NullPool)
         try:
             with psycopg.connect(database_url) as c, engine.connect() as sc, Session(engine) as s:
                 for conn in (c, sc, s):
                     with pytest.raises(outbox.ConnectionNotSupported, match=r"outbox\.enqueue "):
                         await outbox.aio.enqueue(conn, "orders", b"x")
+                    with pytest.raises(outbox.ConnectionNotSupported, match=r"its \.enqueue "):
+                        await outbox.Outbox().enqueue_async(conn, "orders", b"x")
         finally:
             engine.dispose()
         with pytest.raises(outbox.ConnectionNotSupported, match="AsyncSession"):
