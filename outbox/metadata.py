@@ -168,6 +168,7 @@ publishers = sa.Table(
     sa.Column("stopped_at", _tstz()),
     sa.Column("transactional_id", sa.Text),
     sa.Column("lease_seconds", sa.Double),
+    sa.Column("kafka_reached_at", sa.DateTime(timezone=True)),
     sa.CheckConstraint("lease_seconds > 0", name="publishers_lease_seconds_check"),
     sa.PrimaryKeyConstraint("id", name="publishers_pkey"),
 )

@@ -1214,7 +1214,12 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(version)s, %(lease_seconds)s)
 -- being closed), so a heartbeat never waits on one. Returns how many batch
 -- leases were renewed.
 WITH alive AS (
-    UPDATE outbox.publishers SET heartbeat_at = now() WHERE id = %(id)s
+    UPDATE outbox.publishers
+    SET heartbeat_at = now(),
+        -- When it last reached Kafka (NULL: not said; see others_reach_kafka).
+        kafka_reached_at = CASE WHEN %(kafka_reached)s::boolean IS TRUE THEN now()
+                                ELSE kafka_reached_at END
+    WHERE id = %(id)s
 ), expiring AS (
     SELECT id
     FROM outbox.batches
@@ -1231,6 +1236,19 @@ WITH alive AS (
     RETURNING b.id
 )
 SELECT count(*) FROM renewed
+
+-- name: others_reach_kafka
+-- Whether another live publisher (beating within its lease) reached Kafka
+-- within its lease: a publisher that cannot reach Kafka lets its lanes go to
+-- such a one (publisher.heartbeat), and keeps them when there is none.
+SELECT EXISTS (
+    SELECT 1 FROM outbox.publishers
+    WHERE id <> %(id)s AND stopped_at IS NULL
+      AND now() - heartbeat_at
+          < make_interval(secs => coalesce(lease_seconds, %(lease_seconds)s::float8))
+      AND now() - kafka_reached_at
+          < make_interval(secs => coalesce(lease_seconds, %(lease_seconds)s::float8))
+)
 
 -- name: renew_lanes
 -- Renew the leases of the lanes this publisher owns; an expired one is lost

@@ -61,7 +61,7 @@ GRANT INSERT (message_id, decided_by, from_state, to_state, reason, evidence)
 GRANT INSERT (topic, kafka_partition, confirmed_offset), UPDATE (confirmed_offset, updated_at)
     ON outbox.partition_offsets TO {publisher};
 GRANT INSERT (id, host, pid, version, lease_seconds),
-      UPDATE (heartbeat_at, stopped_at, transactional_id)
+      UPDATE (heartbeat_at, stopped_at, transactional_id, kafka_reached_at)
     ON outbox.publishers TO {publisher};
 GRANT UPDATE (owner, lease_expires_at, fence, acquired_at) ON outbox.lanes TO {publisher};
 GRANT UPDATE ON outbox.wakeup TO {publisher};

@@ -78,6 +78,8 @@ class Contact:
         self.last_at: float | None = None
         #: Wall-clock time (epoch seconds) of the last successful contact.
         self.last_success_time: float | None = None
+        #: Monotonic time of the first failure since the last success (None: none).
+        self._failing_since: float | None = None
 
     def succeeded(self) -> None:
         """The dependency answered."""
@@ -85,6 +87,7 @@ class Contact:
             self.ok, self.error_type = True, None
             self.last_at = self._clock()
             self.last_success_time = self._wall()
+            self._failing_since = None
 
     def failed(self, error: BaseException | str) -> None:
         """The dependency did not answer (or answered that it cannot serve).
@@ -96,10 +99,19 @@ class Contact:
         with self._lock:
             self.ok, self.error_type = False, kind
             self.last_at = self._clock()
+            if self._failing_since is None:
+                self._failing_since = self.last_at
 
     def answered(self) -> None:
         """The dependency answered a question of the probe's (see ``KafkaContact``)."""
         self.succeeded()
+
+    def failing_for(self) -> float | None:
+        """Seconds every contact has failed, since the first failure after the last
+        success; ``None`` while the last contact succeeded (or none was made)."""
+        with self._lock:
+            since = self._failing_since
+        return None if since is None else self._clock() - since
 
     def age(self) -> float | None:
         """Seconds since the last contact, either way; ``None`` if never."""

@@ -13,6 +13,15 @@ the other publishers share them, so the keys of those lanes do not wait for
 a restart. It beats again as soon as the loop turns again. Each beat also tells the
 publisher's health whether the database answered, so an idle publisher
 still notices a database that went away.
+
+A publisher that turns but cannot reach Kafka (its host cut off from the
+brokers, while the others reach them) would keep its lanes, and their keys
+would wait for it. Each beat says whether it reaches Kafka
+(``outbox.publishers.kafka_reached_at``); once it has not for a lease while
+another live publisher has, it steps back as a stalled loop does: no
+heartbeat, its lanes expire, the others take them. It beats again once it
+reaches Kafka (its idle probe asks the brokers), or when no other publisher
+does: when Kafka is away for every publisher, nobody steps back.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ class Heartbeat(BackgroundService):
         database: Contact | None = None,
         held_batches: Callable[[], Collection[int]] | None = None,
         loop_alive: Callable[[], bool] | None = None,
+        kafka: Contact | None = None,
     ) -> None:
         # Lanes are balanced every second between beats, so that a publisher
         # that starts (or stops) moves lanes within a second or two, not a
@@ -75,6 +85,10 @@ class Heartbeat(BackgroundService):
         #: Whether the loop still turns; lanes are kept only while it does.
         self._loop_alive = loop_alive or (lambda: True)
         self._stalled = False
+        #: The publisher's contact with Kafka (None: not known, never steps back).
+        self._kafka = kafka
+        #: Whether it lets its lanes go, Kafka away from it and not from another one.
+        self.stepped_back = False
 
     def beat(self) -> int:
         """One heartbeat now; returns how many leases were renewed."""
@@ -83,7 +97,10 @@ class Heartbeat(BackgroundService):
             return 0
         batches = None if self._held_batches is None else self._held_batches()
         renewed = self._store.heartbeat(
-            self._lease_seconds, renew=self._progressing(), batches=batches
+            self._lease_seconds,
+            renew=self._progressing(),
+            batches=batches,
+            kafka_reached=None if self._kafka is None else self._kafka.ok is True,
         )
         if renewed:
             log.debug("renewed %d leases", renewed)
@@ -95,8 +112,36 @@ class Heartbeat(BackgroundService):
         if self.lanes is not None and not self.stopping and self._still_working():
             self.lanes.balance()
 
+    def _step_back(self) -> None:
+        """Step back (``stepped_back``) while this publisher has not reached Kafka for a
+        lease and another live publisher has; come back otherwise. Says so in the log
+        when that changes."""
+        away = None if self._kafka is None else self._kafka.failing_for()
+        back = (
+            away is not None
+            and away >= self._lease_seconds
+            and self._store.others_reach_kafka(self._lease_seconds)
+        )
+        if back and not self.stepped_back:
+            log.warning(
+                "Kafka not reached for %.0fs while another publisher reaches it: no more "
+                "heartbeats, and lanes %s are no longer renewed; the others take them over "
+                "when they expire",
+                away,
+                sorted(self.lanes.owned) if self.lanes is not None else [],
+            )
+        elif self.stepped_back and not back:
+            log.warning(
+                "%s: heartbeats and lanes resume",
+                "Kafka reached again" if away is None else "no other publisher reaches Kafka",
+            )
+        self.stepped_back = back
+
     def _still_working(self) -> bool:
-        """Whether the loop turns; says so in the log when that changes."""
+        """Whether the loop turns (and has not stepped back: ``_step_back``); says so in
+        the log when the loop stops or turns again."""
+        if self.stepped_back:
+            return False
         if self._loop_alive():
             if self._stalled:
                 log.warning("the loop turns again: heartbeats and lanes resume")
@@ -115,6 +160,7 @@ class Heartbeat(BackgroundService):
         """One turn: a beat if one is due (within half a turn), else a lane rebalance."""
         # While the loop is stuck neither asks the database anything: no contact
         # to report then, and the health shows the stall, not a live database.
+        self._step_back()
         working = self._still_working()
         if time.monotonic() >= self._next_beat - self.interval / 2:
             self.beat()

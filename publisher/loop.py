@@ -211,6 +211,7 @@ class Publisher:
                 database=self.health.database,
                 held_batches=self.held_batches,
                 loop_alive=lambda: not self.health.loop_stuck(),
+                kafka=self.health.kafka,
             )
             if heartbeat_store is not None
             else None

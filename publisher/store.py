@@ -268,12 +268,18 @@ class PublisherStore:
         )
 
     def heartbeat(
-        self, lease_seconds: float, *, renew: bool, batches: Collection[int] | None = None
+        self,
+        lease_seconds: float,
+        *,
+        renew: bool,
+        batches: Collection[int] | None = None,
+        kafka_reached: bool | None = None,
     ) -> int:
         """Say this publisher is alive; with ``renew``, extend leases that expire soon.
 
-        Only the leases of ``batches`` are renewed, when given. Returns how
-        many leases were renewed.
+        Only the leases of ``batches`` are renewed, when given. With
+        ``kafka_reached``, say that it reaches Kafka now. Returns how many
+        leases were renewed.
         """
         row = self.conn.execute(
             query("heartbeat"),
@@ -282,9 +288,18 @@ class PublisherStore:
                 "lease_seconds": float(lease_seconds),
                 "renew": renew,
                 "batches": None if batches is None else list(batches),
+                "kafka_reached": kafka_reached,
             },
         ).fetchone()
         return int(row[0]) if row else 0
+
+    def others_reach_kafka(self, lease_seconds: float) -> bool:
+        """Whether another live publisher reached Kafka within its lease."""
+        row = self.conn.execute(
+            query("others_reach_kafka"),
+            {"id": self.publisher_id, "lease_seconds": float(lease_seconds)},
+        ).fetchone()
+        return bool(row and row[0])
 
     def renew_lanes(self, lease_seconds: float) -> tuple[set[int], int]:
         """Renew this publisher's unexpired lanes; return them and the fair share, atomically."""

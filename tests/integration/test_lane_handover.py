@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ import pytest
 
 import outbox
 from outbox.states import State
+from publisher.health import Contact
 from publisher.heartbeat import Heartbeat
 from publisher.lanes import LaneKeeper
 from publisher.outcomes import AttemptOutcome
@@ -29,6 +31,7 @@ def _heartbeat(
     interval: float = 30,
     lease_seconds: float = 60,
     loop_alive: Callable[[], bool] = lambda: True,
+    kafka: Contact | None = None,
 ) -> tuple[PublisherStore, Heartbeat]:
     store = PublisherStore(database_url, uuid.uuid4())
     store.register("test", 0, lease_seconds)
@@ -40,6 +43,7 @@ def _heartbeat(
         progressing=lambda: True,
         lanes=LaneKeeper(store, lease_seconds),
         loop_alive=loop_alive,
+        kafka=kafka,
     )
     beat.beat()
     beat.start()
@@ -107,6 +111,85 @@ def test_a_publisher_whose_loop_stopped_turning_lets_its_lanes_go_to_the_others(
         if other_beat is not None:
             other_beat.stop()
         stuck_beat.stop()
+
+
+def _kafka(*, reached: bool) -> Contact:
+    """A Kafka contact whose last contact succeeded (``reached``) or failed."""
+    contact = Contact("kafka", time.monotonic, time.time)
+    if reached:
+        contact.succeeded()
+    else:
+        contact.failed("the brokers do not answer")
+    return contact
+
+
+def test_a_publisher_that_cannot_reach_kafka_lets_its_lanes_go_to_one_that_can(
+    database_url: str,
+) -> None:
+    """Cut off from Kafka for a lease while another publisher reaches it, a publisher stops
+    beating: its lanes expire and the other takes them all. Once it reaches Kafka again,
+    it beats and takes its share back."""
+    cut_off = _kafka(reached=True)
+    lonely, lonely_beat = _heartbeat(database_url, interval=1, lease_seconds=3, kafka=cut_off)
+    other_beat = None
+    try:
+        other, other_beat = _heartbeat(
+            database_url, interval=1, lease_seconds=3, kafka=_kafka(reached=True)
+        )
+        wait_until(
+            lambda: _owned(database_url, other) == LANES // 2,
+            timeout=8,
+            what="the lanes to be shared",
+        )
+        cut_off.failed("the brokers do not answer")
+        wait_until(
+            lambda: _owned(database_url, other) == LANES,
+            timeout=20,
+            what="the lanes of the publisher cut off from Kafka to move to the other one",
+        )
+        assert _owned(database_url, lonely) == 0
+        assert lonely_beat.stepped_back
+        cut_off.succeeded()  # its probe reaches the brokers again
+        wait_until(
+            lambda: _owned(database_url, lonely) == LANES // 2,
+            timeout=15,
+            what="the publisher that reaches Kafka again to take its share again",
+        )
+        assert not lonely_beat.stepped_back
+    finally:
+        if other_beat is not None:
+            other_beat.stop()
+        lonely_beat.stop()
+
+
+def test_when_no_publisher_reaches_kafka_none_lets_its_lanes_go(database_url: str) -> None:
+    """Kafka away for all: stepping back would give the lanes to no one who can do better,
+    and leave none held (the status would say no publisher runs). They stay shared."""
+    beats = []
+    contacts = [_kafka(reached=True) for _ in range(2)]
+    try:
+        stores = []
+        for contact in contacts:
+            store, beat = _heartbeat(database_url, interval=1, lease_seconds=2, kafka=contact)
+            stores.append(store)
+            beats.append(beat)
+        wait_until(
+            lambda: [_owned(database_url, s) for s in stores] == [LANES // 2] * 2,
+            timeout=8,
+            what="the lanes to be shared",
+        )
+        for contact in contacts:
+            contact.failed("the brokers do not answer")
+        # Both have not reached Kafka for a lease, twice over, and their reports age out:
+        # neither steps back, and both keep their lanes.
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            assert not any(beat.stepped_back for beat in beats)
+            assert [_owned(database_url, s) for s in stores] == [LANES // 2] * 2
+            time.sleep(0.2)
+    finally:
+        for beat in beats:
+            beat.stop()
 
 
 def test_a_dead_publisher_is_judged_by_its_own_lease_not_the_survivors(

@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 
 import outbox
+import outbox.roles as roles_module
 from outbox.errors import OutboxError
 from outbox.migrations import migrate, migrate_connection
 from outbox.roles import RoleNames, create_roles, granted_roles
@@ -351,6 +352,17 @@ def test_create_roles_in_an_alembic_style_transaction_commits_with_it(
         _drop_roles(empty_database_url, list(names.by_purpose().values()))
 
 
+@pytest.fixture
+def grants_before_0024(monkeypatch: pytest.MonkeyPatch) -> None:
+    """create_roles grants as before 0024, whose column an earlier schema lacks."""
+    blocks = {
+        name: text.replace(", kafka_reached_at", "")
+        for name, text in roles_module._grants().items()
+    }
+    monkeypatch.setattr(roles_module, "_grants", lambda: blocks)
+
+
+@pytest.mark.usefixtures("grants_before_0024")
 def test_0021_lets_the_roles_that_mark_batches_rewrite_what_they_name(
     empty_database_url: str,
 ) -> None:
@@ -374,6 +386,34 @@ def test_0021_lets_the_roles_that_mark_batches_rewrite_what_they_name(
         assert [m.version for m in migrate(url, target=21)] == [21]
         assert fetch_rows(url, column, names.publisher) == [(True,)]
         assert fetch_rows(url, column, names.operator) == [(False,)]  # it marks nothing
+    finally:
+        _drop_roles(url, list(names.by_purpose().values()))
+
+
+def test_0024_lets_the_roles_that_beat_say_they_reach_kafka(
+    empty_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Roles granted before 0024 may beat but have no kafka_reached_at, which a heartbeat
+    of this version writes: the migration grants it to each role that may beat."""
+    url = empty_database_url
+    migrate(url, target=23)
+    blocks = {
+        name: text.replace(", kafka_reached_at", "")
+        for name, text in roles_module._grants().items()
+    }
+    suffix = uuid.uuid4().hex[:8]
+    names = RoleNames(f"w_{suffix}", f"p_{suffix}", f"o_{suffix}")
+    try:
+        with monkeypatch.context() as patched, psycopg.connect(url) as conn:
+            patched.setattr(roles_module, "_grants", lambda: blocks)
+            create_roles(conn, names)
+        assert [m.version for m in migrate(url, target=24)] == [24]
+        column = (
+            "SELECT has_column_privilege(%s, 'outbox.publishers', 'kafka_reached_at', 'UPDATE')"
+        )
+        assert fetch_rows(url, column, names.publisher) == [(True,)]
+        assert fetch_rows(url, column, names.operator) == [(False,)]  # it beats nothing
+        assert fetch_rows(url, column, names.writer) == [(False,)]
     finally:
         _drop_roles(url, list(names.by_purpose().values()))
 

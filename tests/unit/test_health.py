@@ -6,7 +6,7 @@ import time
 
 from kafka import errors as kafka_errors
 
-from publisher.health import Health, KafkaProbe
+from publisher.health import Contact, Health, KafkaProbe
 from publisher.service import BackgroundService
 from tests.support import wait_until
 
@@ -215,3 +215,16 @@ def test_a_broker_that_refuses_the_publisher_keeps_it_unready_whatever_the_probe
     assert health.readiness().ok
     health.kafka.failed(kafka_errors.KafkaTimeoutError("no broker"))
     assert health.readiness().checks["kafka"] == "kafka_unavailable"
+
+
+def test_a_contact_says_how_long_it_has_failed_since_its_last_success() -> None:
+    """From the first failure after a success; a success ends it; never contacted: None."""
+    now = [100.0]
+    contact = Contact("kafka", lambda: now[0], lambda: 0.0)
+    assert contact.failing_for() is None
+    contact.failed("refused")
+    now[0] = 130.0
+    contact.failed("refused again")
+    assert contact.failing_for() == 30.0
+    contact.succeeded()
+    assert contact.failing_for() is None

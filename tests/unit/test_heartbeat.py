@@ -24,7 +24,9 @@ class RecordingStore:
         self.failures = failures
         self.beaten = threading.Event()
 
-    def heartbeat(self, lease_seconds: float, *, renew: bool, batches: object) -> int:
+    def heartbeat(
+        self, lease_seconds: float, *, renew: bool, batches: object, kafka_reached: object = None
+    ) -> int:
         if self.failures:
             self.failures -= 1
             raise psycopg.OperationalError("the database went away")

@@ -90,7 +90,12 @@ class FakeStore(PublisherStore):
         self.registered.append((version, pid))
 
     def heartbeat(
-        self, lease_seconds: float, *, renew: bool, batches: Collection[int] | None = None
+        self,
+        lease_seconds: float,
+        *,
+        renew: bool,
+        batches: Collection[int] | None = None,
+        kafka_reached: bool | None = None,
     ) -> int:
         """Record the heartbeat."""
         self.events.append("heartbeat")
