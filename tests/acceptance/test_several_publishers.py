@@ -13,12 +13,15 @@ import signal
 import threading
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
 
 import outbox
+from publisher.app import build_publisher
 from publisher.store import LANES
+from publisher.testing import config_for_tests
 from tests.support import (
     DELIVERY_MODES,
     assert_each_read_once,
@@ -135,3 +138,51 @@ def test_three_publishers_one_killed_one_added_deliver_everything_once_in_key_or
     assert deliverers is not None
     assert deliverers[0] >= 3  # the work was shared
     assert owners == (0,)  # the survivors gave their lanes back when they stopped
+
+
+def test_a_publisher_cut_off_from_kafka_lets_another_deliver_its_keys(
+    database_url: str, kafka_bootstrap: str, topic: str
+) -> None:
+    """A publisher whose host cannot reach the brokers holds every lane, then another that
+    can starts: the cut-off one lets its lanes go once it has not reached Kafka for a
+    lease, and the other delivers every key, each message once."""
+    timeouts = {
+        "exit_when_idle": False,
+        "lease_seconds": 6.0,
+        "heartbeat_interval": 1.0,
+        "max_block_ms": 1000,
+        "request_timeout_ms": 1000,
+        "delivery_timeout_ms": 2000,
+        "retry_base_seconds": 0.2,
+        "retry_cap_seconds": 1.0,
+    }
+    cut_off = build_publisher(config_for_tests(database_url, "127.0.0.1:1", **timeouts))
+    healthy = build_publisher(config_for_tests(database_url, kafka_bootstrap, **timeouts))
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(cut_off.run)]
+        try:
+            wait_until(
+                lambda: _lane_owners(database_url) == (1, LANES),
+                timeout=15,
+                what="the cut-off publisher to take every lane",
+            )
+            ids = _enqueue(database_url, topic, 0, 200, per_tx=50)
+            running.append(pool.submit(healthy.run))
+            wait_until(
+                lambda: _delivered(database_url) == len(ids),
+                timeout=90,
+                what="every message delivered, those of the cut-off publisher's lanes too",
+            )
+            assert cut_off.heartbeat is not None
+            assert cut_off.heartbeat.stepped_back
+            with psycopg.connect(database_url) as conn:
+                owners = conn.execute(
+                    "SELECT DISTINCT owner FROM outbox.lanes WHERE lease_expires_at > now()"
+                ).fetchall()
+            assert owners == [(healthy.publisher_id,)]
+        finally:
+            for publisher in (cut_off, healthy):
+                publisher.request_stop()
+            for future in running:
+                future.result(timeout=60)
+    assert_each_read_once(database_url, kafka_bootstrap, topic, ids, committed=False)
