@@ -735,7 +735,8 @@ WHERE later.id = ANY(%(ids)s::uuid[])
 
 -- name: decide_uncertain
 -- Apply the reconciler's decisions, each with its evidence, in one statement.
--- to_state 'uncertain' escalates: the evidence is gone and an operator decides.
+-- to_state 'uncertain' escalates: the reconciler could not decide (its reason
+-- says why) and an operator decides.
 -- Each decision raises the fence, as an operator's does: an operator's
 -- decision made from a reading taken before it is refused.
 -- A message whose row another transaction holds (an operator's decision not

@@ -35,7 +35,7 @@ from publisher.reconciler import Reconciler
 from publisher.retention import RetentionRunner
 from publisher.scanner import KafkaLogScanner
 from publisher.sink import KafkaSink, KafkaSinkConfig, Sink
-from publisher.store import PublisherStore
+from publisher.store import IDLE_TRANSACTION_LIMIT, PublisherStore
 from publisher.waker import Waker
 
 log = logging.getLogger("publisher")
@@ -73,7 +73,11 @@ def build_publisher(
         config,
         store,
         build_sink(config, publisher_id, security),
-        Waker(config.database_url),
+        Waker(
+            config.database_url,
+            # An announcement lasts about a poll interval (see Waker.wait).
+            idle_transaction_limit=max(IDLE_TRANSACTION_LIMIT, 3 * config.poll_interval),
+        ),
         reconciler=reconciler,
         heartbeat_store=PublisherStore(config.database_url, publisher_id),
         claim_ahead_store=PublisherStore(config.database_url, publisher_id),

@@ -50,6 +50,19 @@ DEAD_PEER: dict[str, Any] = {
 }
 
 
+#: The longest idle_in_transaction_session_timeout PostgreSQL takes, in milliseconds.
+_LONGEST_IDLE_TRANSACTION_MS = 2_147_483_647
+
+
+def limit_idle_transactions(conn: psycopg.Connection[Any], seconds: float) -> None:
+    """Have the server end ``conn``'s session once a transaction of it stays idle
+    ``seconds`` (``idle_transaction_limit``), for the rest of the session."""
+    ms = min(max(1, round(seconds * 1000)), _LONGEST_IDLE_TRANSACTION_MS)
+    conn.execute(query("idle_transaction_limit"), {"limit": str(ms)})
+    if not conn.autocommit:
+        conn.commit()
+
+
 def connect(conninfo: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection[Any]:
     """Open a connection (``kwargs`` as ``psycopg.connect``) pinned to READ COMMITTED.
 

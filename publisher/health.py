@@ -83,11 +83,17 @@ class Contact:
 
     def succeeded(self) -> None:
         """The dependency answered."""
+        self._reached(served=True)
+
+    def _reached(self, *, served: bool) -> None:
+        """The dependency answered; ``served``: it did what was asked of it, which ends
+        a run of failures (``failing_for``)."""
         with self._lock:
             self.ok, self.error_type = True, None
             self.last_at = self._clock()
             self.last_success_time = self._wall()
-            self._failing_since = None
+            if served:
+                self._failing_since = None
 
     def failed(self, error: BaseException | str) -> None:
         """The dependency did not answer (or answered that it cannot serve).
@@ -107,8 +113,8 @@ class Contact:
         self.succeeded()
 
     def failing_for(self) -> float | None:
-        """Seconds every contact has failed, since the first failure after the last
-        success; ``None`` while the last contact succeeded (or none was made)."""
+        """Seconds since the first failure after the last success (for Kafka: the last
+        write it let through, see ``KafkaContact``); ``None`` when none failed since."""
         with self._lock:
             since = self._failing_since
         return None if since is None else self._clock() - since
@@ -160,8 +166,10 @@ class KafkaContact(Contact):
             self.refused = True
 
     def answered(self) -> None:
-        """The broker answered a question anyone may ask: it is up; a refusal stays."""
-        Contact.succeeded(self)
+        """The broker answered a question anyone may ask: it is up; a refusal stays, and
+        so does a run of failed writes (``failing_for``): a host that reaches a broker
+        may still not reach the partitions' leaders, or be let write."""
+        self._reached(served=False)
 
     def problem(self) -> str | None:
         """``kafka_refused`` while the broker refuses the publisher, else as any contact."""

@@ -160,8 +160,8 @@ def _reconcile(config: PublisherConfig, security: KafkaSecurity) -> int:
     escalated, waiting, until, other = row or (0, 0, None, 0)
     if escalated:
         _say(
-            f"{escalated} escalated: the evidence cannot decide them; decide each with "
-            "`outbox resolve` (`outbox list --state uncertain` shows why)"
+            f"{escalated} escalated: the reconciler could not decide them; decide each with "
+            "`outbox resolve` (`outbox inspect ID` shows why, and what fits)"
         )
     if waiting and until is not None:
         _say(

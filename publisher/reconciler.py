@@ -27,7 +27,10 @@ on where it stopped (``_Range``), so every range is read to its end.
   topic deleted and created again); and when the record is missing from a
   compacted topic, which removes records from the middle of its log, where
   a later record of its key may have removed it: one in the range read, or
-  a tombstone removed since (``Reconciler._compacted_away``).
+  a tombstone removed since (``Reconciler._compacted_away``). A message
+  proven absent while later messages of its key are in Kafka is escalated
+  too (``OVERTAKEN_NOTE``): nothing is gone, but only a person may send it
+  after them, or drop it.
 
 A message sent in a Kafka transaction (``--delivery transactional``) is
 decided without waiting for a write deadline or a grace: first the
@@ -765,7 +768,8 @@ class Reconciler:
                         f"{reason} (in {where})",
                         partition,
                         None,
-                        {**evidence, "later_of_key": later},
+                        # The first few, and how many: a hot key can have thousands.
+                        {**evidence, "later_of_key": later[:10], "later_of_key_count": len(later)},
                     )
                 )
             else:

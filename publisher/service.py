@@ -16,7 +16,15 @@ import threading
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from publisher.logs import Outage
+
 log = logging.getLogger(__name__)
+
+#: What a service's failures that have lasted a minute tell the operator to check.
+_SERVICE_HINT = (
+    "The publisher goes on and tries again; check what the error names (the database, "
+    "the brokers), and this publisher's /readyz"
+)
 
 
 class BackgroundService(ABC):
@@ -28,7 +36,9 @@ class BackgroundService(ABC):
     ends the thread, as a bug should: it is logged with its traceback, kept
     in ``died`` (the publisher's readiness fails on it), and
     ``threading.excepthook`` reports it too. A stopped service does not start
-    again.
+    again. Failures are logged as an outage (``publisher.logs.Outage``): once,
+    then what changes and a reminder a minute, an ERROR after a minute, and
+    a line when a turn succeeds again.
     """
 
     #: Errors of a turn that the service outlives (a dropped connection, say).
@@ -41,6 +51,7 @@ class BackgroundService(ABC):
         interval: float,
         run_at_start: bool = False,
         join_timeout: float = 10.0,
+        failure: str | None = None,
     ) -> None:
         #: The thread's name, as logs and thread dumps show it.
         self.name = name
@@ -53,6 +64,8 @@ class BackgroundService(ABC):
         self._thread: threading.Thread | None = None
         #: The error that ended the thread, if one did.
         self.died: BaseException | None = None
+        #: The log lines of its turns failing (``failure``: what they say failed).
+        self.outage = Outage(log, failure or f"{name} failed", hint=_SERVICE_HINT)
 
     @abstractmethod
     def run_once(self) -> object:
@@ -91,7 +104,7 @@ class BackgroundService(ABC):
 
     def _failed(self, exc: Exception) -> None:
         """A turn raised a ``recoverable`` error; the next turn comes after the usual wait."""
-        log.warning("%s: %s; trying again", self.name, exc)
+        self.outage.failed(exc)
 
     def _run(self) -> None:
         if self._run_at_start and not self._stop_event.is_set():
@@ -108,3 +121,5 @@ class BackgroundService(ABC):
             self.died = exc
             log.exception("%s ended by an unexpected error", self.name)
             raise
+        else:
+            self.outage.ended()

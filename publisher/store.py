@@ -31,7 +31,7 @@ from outbox.holds import hold_behind_stuck, release_held_of, release_stale_holds
 from outbox.migrations import require_current_schema
 from outbox.queries import query
 from outbox.states import WAITING_NOTE, State
-from publisher.connector import connect
+from publisher.connector import connect, limit_idle_transactions
 from publisher.outcomes import AttemptOutcome
 
 
@@ -213,10 +213,7 @@ class PublisherStore:
             )
             try:
                 conn.execute(query("jit_off"))
-                conn.execute(
-                    query("idle_transaction_limit"),
-                    {"limit": str(max(1, round(self.idle_transaction_limit * 1000)))},
-                )
+                limit_idle_transactions(conn, self.idle_transaction_limit)
             except BaseException:
                 conn.close()
                 raise

@@ -32,7 +32,7 @@ import psycopg
 import psycopg.errors
 
 from outbox.queries import query
-from publisher.connector import connect
+from publisher.connector import connect, limit_idle_transactions
 from publisher.service import BackgroundService
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,13 @@ class Waker(BackgroundService):
 
     recoverable = (psycopg.Error,)
 
-    def __init__(self, conninfo: str | None, *, reconnect_delay: float = 1.0) -> None:
+    def __init__(
+        self,
+        conninfo: str | None,
+        *,
+        reconnect_delay: float = 1.0,
+        idle_transaction_limit: float | None = None,
+    ) -> None:
         super().__init__(
             name="outbox-listener", interval=reconnect_delay, run_at_start=True, join_timeout=5
         )
@@ -76,6 +82,11 @@ class Waker(BackgroundService):
         self._announced_at = 0.0
         #: The last reason the announcement failed, logged once until it succeeds again.
         self._refused: str | None = None
+        #: Seconds the announcement's transaction may stay idle before the server ends
+        #: its session (None: no limit). It lasts about a poll interval; one that lasts
+        #: far longer belongs to a process stopped while asleep (SIGSTOP, a paused host),
+        #: whose lock would make every writer's commit notify for as long as it stays so.
+        self._idle_transaction_limit = idle_transaction_limit
 
     def start(self) -> None:
         """Start listening in a daemon thread (no-op without a conninfo)."""
@@ -108,6 +119,8 @@ class Waker(BackgroundService):
                 self._announcer = connect(
                     self._conninfo, application_name="outbox-publisher wakeup"
                 )
+                if self._idle_transaction_limit is not None:
+                    limit_idle_transactions(self._announcer, self._idle_transaction_limit)
             self._announcer.execute(query("announce_sleep"))
         except psycopg.errors.LockNotAvailable:
             self._end_transaction()

@@ -593,7 +593,7 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
     assert (state, escalated) == ("uncertain", True)
     assert last_error.startswith(f"{OVERTAKEN_NOTE}1 (first: {second}), written after it was sent")
     [(*_, evidence)] = [d for d in _decisions(database_url) if d[0] == first]
-    assert evidence["later_of_key"] == [str(second)]
+    assert (evidence["later_of_key"], evidence["later_of_key_count"]) == ([str(second)], 1)
     # Nothing of its evidence is gone: the next action offers what fits, not --delivered.
     with psycopg.connect(database_url) as conn:
         timeline = read_timeline(conn, first)

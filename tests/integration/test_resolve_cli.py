@@ -468,7 +468,7 @@ def test_reconcile_command_exits_1_when_a_message_is_escalated(
     assert result.returncode == 1, result.stderr
     assert "0 delivered, 0 pending (proven absent), 1 escalated" in result.stdout
     assert (
-        "1 escalated: the evidence cannot decide them; decide each with `outbox resolve`"
+        "1 escalated: the reconciler could not decide them; decide each with `outbox resolve`"
         in result.stdout
     )
     assert " wait for " not in result.stdout

@@ -124,6 +124,29 @@ def test_commits_notify_only_while_a_publisher_sleeps(
     assert notifications.since_last() == 0
 
 
+def test_a_publisher_stopped_while_asleep_does_not_make_every_commit_notify_for_ever(
+    database_url: str, notifications: Notifications
+) -> None:
+    """Announced asleep, then stopped (SIGSTOP, a paused host) before it wakes: its lock on
+    outbox.wakeup would make every writer's commit notify for as long as it stays stopped.
+    The server ends the announcer's session once its transaction has been idle its limit;
+    woken, it announces again on a new connection."""
+    frozen = Waker(database_url, idle_transaction_limit=0.5)
+    try:
+        assert frozen.fall_asleep() is True
+        assert _sleeping(database_url) == 1
+        # ... and the process stops here: no wait, no awake.
+        wait_until(lambda: _sleeping(database_url) == 0, timeout=10, what="the lock to go")
+        notifications.since_last()
+        _commit_enqueue(database_url)
+        assert notifications.since_last() == 0
+        frozen.awake()  # woken: its connection is gone, and is opened again
+        assert frozen.fall_asleep() is True
+        assert _sleeping(database_url) == 1
+    finally:
+        frozen.stop()
+
+
 def test_a_sleep_stays_announced_through_a_wake_up_until_work_or_its_time_is_up(
     database_url: str, waker: Waker
 ) -> None:

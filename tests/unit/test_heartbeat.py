@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import psycopg
 
-from publisher.health import Contact
+from publisher.health import Contact, KafkaContact
 from publisher.heartbeat import Heartbeat
 
 
@@ -157,3 +157,90 @@ def test_stop_gives_the_lanes_back_and_closes_the_connection() -> None:
     beat.stop()
     assert lanes.released
     assert store.closes == 1
+
+
+class KafkaPeersStore(RecordingStore):
+    """Also says whether another live publisher reaches Kafka, and records each report of
+    this one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.others_reach = True
+        self.reports: list[object] = []
+
+    def heartbeat(
+        self, lease_seconds: float, *, renew: bool, batches: object, kafka_reached: object = None
+    ) -> int:
+        self.reports.append(kafka_reached)
+        return super().heartbeat(lease_seconds, renew=renew, batches=batches)
+
+    def others_reach_kafka(self, lease_seconds: float) -> bool:
+        return self.others_reach
+
+
+def test_a_publisher_whose_writes_fail_steps_back_and_tries_again_after_a_growing_hold_off() -> (
+    None
+):
+    """Writes failing for a lease while another publisher reaches Kafka: it stops beating.
+    The brokers answering it again bring it back only after the hold-off (a lease, then
+    two, ...); failing a lease again after it came back, it stays back twice as long. A
+    write that goes through ends it all, and the hold-off starts short again."""
+    now = [0.0]
+    kafka = KafkaContact(lambda: now[0], lambda: 0.0)
+    store = KafkaPeersStore()
+    beat = Heartbeat(
+        cast(Any, store), interval=1, lease_seconds=10, progressing=lambda: True,
+        kafka=kafka, clock=lambda: now[0],
+    )  # fmt: skip
+
+    def at(t: float) -> bool:
+        now[0] = t
+        beat.run_once()
+        return beat.stepped_back
+
+    kafka.succeeded()
+    assert not at(1.0)
+    assert store.reports[-1] is True
+    kafka.failed(TimeoutError("no leader answers"))
+    kafka.answered()  # a topic lookup: the broker is there, the writes still fail
+    assert not at(10.5)  # failing for 9.5s
+    assert store.reports[-1] is False  # it no longer tells the others it reaches Kafka
+    assert at(11.5)  # 10.5s: back, for a lease at least
+    beats = store.beats
+    assert at(21.0)  # the hold-off (10s) is not over
+    assert store.beats == beats  # no heartbeat while back
+    assert not at(21.6)  # over, and the brokers answer: it tries again
+    assert not at(31.0)  # a lease to try
+    assert at(31.7)  # failed again for a lease since it came back: back for 20s
+    assert at(51.0)
+    assert not at(51.8)
+    kafka.succeeded()  # a write goes through
+    assert not at(70.0)
+    kafka.failed(TimeoutError("no leader answers"))
+    assert at(80.5)  # a lease after the new failure
+    assert at(90.6)  # the hold-off (a lease again) is over, but no broker answers it
+    kafka.answered()  # its idle probe reaches a broker
+    assert not at(91.0)
+
+
+def test_a_publisher_whose_writes_fail_stays_when_no_other_reaches_kafka() -> None:
+    """Stepping back gives its lanes to nobody who does better: when no other publisher
+    reaches Kafka, it stays, and one that stepped back comes back at once."""
+    now = [0.0]
+    kafka = KafkaContact(lambda: now[0], lambda: 0.0)
+    store = KafkaPeersStore()
+    beat = Heartbeat(
+        cast(Any, store), interval=1, lease_seconds=10, progressing=lambda: True,
+        kafka=kafka, clock=lambda: now[0],
+    )  # fmt: skip
+    kafka.failed(TimeoutError("no broker answers"))
+    now[0] = 11.0
+    beat.run_once()
+    assert beat.stepped_back
+    store.others_reach = False
+    now[0] = 12.0
+    beat.run_once()
+    assert not beat.stepped_back
+    now[0] = 40.0
+    beat.run_once()
+    assert not beat.stepped_back

@@ -164,3 +164,35 @@ def test_stop_waits_for_a_turn_in_progress_only_up_to_its_timeout() -> None:
     release.set()
     service.stop(timeout=5)
     assert not service.running
+
+
+class Failing(BackgroundService):
+    """Fails its turns with the same recoverable error until told to succeed."""
+
+    recoverable = (ConnectionError,)
+
+    def __init__(self) -> None:
+        super().__init__(name="test-failing", interval=NEVER)
+        self.fail = True
+
+    def run_once(self) -> None:
+        if self.fail:
+            raise ConnectionError("the database went away")
+
+
+def test_a_turn_failing_again_and_again_is_logged_once_and_its_end_too(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A service turning every second through an outage logs it once, not every turn, and
+    says when a turn succeeds again."""
+    service = Failing()
+    caplog.set_level(logging.INFO, logger="publisher.service")
+    for _ in range(20):
+        service._turn()
+    service.fail = False
+    service._turn()
+    service._turn()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "test-failing failed (the database went away); retrying"),
+        ("INFO", "test-failing failed: over after 0s (20 failed tries)"),
+    ]
