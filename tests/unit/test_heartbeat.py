@@ -178,6 +178,25 @@ class KafkaPeersStore(RecordingStore):
         return self.others_reach
 
 
+class SteppingBack:
+    """A heartbeat with a Kafka contact and peers, on a clock the test turns: ``at(t)`` runs
+    a turn at ``t`` and says whether it stepped back."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.kafka = KafkaContact(lambda: self.now, lambda: 0.0)
+        self.store = KafkaPeersStore()
+        self.beat = Heartbeat(
+            cast(Any, self.store), interval=1, lease_seconds=10, progressing=lambda: True,
+            kafka=self.kafka, clock=lambda: self.now,
+        )  # fmt: skip
+
+    def at(self, t: float) -> bool:
+        self.now = t
+        self.beat.run_once()
+        return self.beat.stepped_back
+
+
 def test_a_publisher_whose_writes_fail_steps_back_and_tries_again_after_a_growing_hold_off() -> (
     None
 ):
@@ -185,19 +204,8 @@ def test_a_publisher_whose_writes_fail_steps_back_and_tries_again_after_a_growin
     The brokers answering it again bring it back only after the hold-off (a lease, then
     two, ...); failing a lease again after it came back, it stays back twice as long. A
     write that goes through ends it all, and the hold-off starts short again."""
-    now = [0.0]
-    kafka = KafkaContact(lambda: now[0], lambda: 0.0)
-    store = KafkaPeersStore()
-    beat = Heartbeat(
-        cast(Any, store), interval=1, lease_seconds=10, progressing=lambda: True,
-        kafka=kafka, clock=lambda: now[0],
-    )  # fmt: skip
-
-    def at(t: float) -> bool:
-        now[0] = t
-        beat.run_once()
-        return beat.stepped_back
-
+    heartbeat = SteppingBack()
+    kafka, store, at = heartbeat.kafka, heartbeat.store, heartbeat.at
     kafka.succeeded()
     assert not at(1.0)
     assert store.reports[-1] is True
@@ -226,21 +234,9 @@ def test_a_publisher_whose_writes_fail_steps_back_and_tries_again_after_a_growin
 def test_a_publisher_whose_writes_fail_stays_when_no_other_reaches_kafka() -> None:
     """Stepping back gives its lanes to nobody who does better: when no other publisher
     reaches Kafka, it stays, and one that stepped back comes back at once."""
-    now = [0.0]
-    kafka = KafkaContact(lambda: now[0], lambda: 0.0)
-    store = KafkaPeersStore()
-    beat = Heartbeat(
-        cast(Any, store), interval=1, lease_seconds=10, progressing=lambda: True,
-        kafka=kafka, clock=lambda: now[0],
-    )  # fmt: skip
-    kafka.failed(TimeoutError("no broker answers"))
-    now[0] = 11.0
-    beat.run_once()
-    assert beat.stepped_back
-    store.others_reach = False
-    now[0] = 12.0
-    beat.run_once()
-    assert not beat.stepped_back
-    now[0] = 40.0
-    beat.run_once()
-    assert not beat.stepped_back
+    heartbeat = SteppingBack()
+    heartbeat.kafka.failed(TimeoutError("no broker answers"))
+    assert heartbeat.at(11.0)
+    heartbeat.store.others_reach = False
+    assert not heartbeat.at(12.0)
+    assert not heartbeat.at(40.0)
