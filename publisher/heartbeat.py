@@ -238,7 +238,7 @@ class Heartbeat(BackgroundService):
         self._store.close()
 
     def _failed(self, exc: Exception) -> None:
-        self.outage.failed(exc)
+        super()._failed(exc)
         if self._database is not None and isinstance(exc, psycopg.OperationalError):
             self._database.failed(exc)
         self._store.close()
