@@ -1475,12 +1475,53 @@ SELECT EXISTS (SELECT 1 FROM outbox.lanes WHERE lease_expires_at > now()) AS run
 -- name: list_messages
 -- Messages in one state, oldest first; one more than asked shows there are more.
 -- The fence is what an operator's decision names (see decision_check).
+-- Each state is read where it is kept, never by reading the whole table
+-- (outbox.message_status derives the state, which hides every index): the
+-- open states through their partial indexes (messages_pending_by_lane,
+-- messages_uncertain, messages_quarantined), in flight from the open
+-- batches, discarded through the decisions that discarded them
+-- (decisions_discarded: a row set to 'discarded' by hand, with no decision,
+-- is not listed), delivered in primary-key order (ids are UUIDv7: the first
+-- are the earliest enqueued). Only the branch of the state asked for runs:
+-- the others' conditions are false once the parameters are known. Each
+-- branch is bounded first, so the view is read for those ids alone.
+WITH chosen AS MATERIALIZED (
+    (SELECT m.id FROM outbox.messages AS m
+     WHERE %(state)s = 'pending' AND m.state = 'pending'
+       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+       AND NOT EXISTS (SELECT 1 FROM outbox.in_flight AS f WHERE f.message_id = m.id)
+     ORDER BY m.seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT m.id FROM outbox.in_flight AS f JOIN outbox.messages AS m ON m.id = f.message_id
+     WHERE %(state)s = 'in_flight' AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+     ORDER BY m.seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT m.id FROM outbox.messages AS m
+     WHERE %(state)s = 'uncertain' AND m.state = 'uncertain'
+       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+     ORDER BY m.seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT m.id FROM outbox.messages AS m
+     WHERE %(state)s = 'quarantined' AND m.state = 'quarantined'
+       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+     ORDER BY m.seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT m.id FROM outbox.messages AS m
+     WHERE %(state)s = 'discarded' AND m.state = 'discarded'
+       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+       AND m.id IN (SELECT d.message_id FROM outbox.decisions AS d WHERE d.to_state = 'discarded')
+     ORDER BY m.seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT m.id FROM outbox.messages AS m
+     WHERE %(state)s = 'delivered' AND m.state = 'delivered'
+       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+     ORDER BY m.id LIMIT %(limit)s)
+)
 SELECT id, topic, key, state, created_at, attempts, fence, failures, available_at, lease_owner,
        lease_expires_at, kafka_partition, kafka_offset, delivered_at, escalated_at, last_error
 FROM outbox.message_status
-WHERE state = %(state)s AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+WHERE id IN (SELECT id FROM chosen) AND state = %(state)s
 ORDER BY seq
-LIMIT %(limit)s
 
 -- name: count_to_purge
 -- What one purge with these windows would delete (outbox purge --dry-run), in
