@@ -17,7 +17,7 @@ import functools
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -289,6 +289,12 @@ def _parser() -> argparse.ArgumentParser:
         description=RECONCILE_MOVED,
         add_help=False,
     )
+    _add_decisions(add_command)
+    return parser
+
+
+def _add_decisions(add_command: Callable[..., argparse.ArgumentParser]) -> None:
+    """The operator's decisions: resolve, retry, discard."""
     resolve_cmd = add_command(
         "resolve",
         help="decide an uncertain or quarantined message by hand, with a reason",
@@ -300,7 +306,12 @@ def _parser() -> argparse.ArgumentParser:
         "--pending and --discard are refused while the record of an uncertain message may "
         "still be written: "
         "before its write deadline, or, sent in a Kafka transaction, until its session is "
-        "fenced (`outbox-publisher reconcile` fences it and decides the message).",
+        "fenced (`outbox-publisher reconcile` fences it and decides the message); --pending "
+        "until a minute after the deadline too (a record written by then may not be readable "
+        "yet), --delivered while the session is unfenced (its record may yet be aborted). "
+        "--pending is refused while later messages of its key may already be in Kafka "
+        "(delivered with it, or uncertain) unless --out-of-order; --delivered of a message "
+        "the reconciler proved absent is refused.",
     )
     resolve_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     decision = resolve_cmd.add_mutually_exclusive_group(required=True)
@@ -324,17 +335,21 @@ def _parser() -> argparse.ArgumentParser:
     resolve_cmd.add_argument(
         "--force-before-deadline",
         action="store_true",
-        help="with --pending or --discard: UNSAFE, may deliver the message twice (or after "
-        "later messages of its key); skip the check that the producer that sent it can no "
-        "longer write it (write deadline passed, or its Kafka transaction session fenced)",
+        help="UNSAFE: skip the check that the producer that sent it can no longer write it "
+        "(write deadline and a minute passed, or its Kafka transaction session fenced); "
+        "--pending may then deliver it twice, --discard after later messages of its key, "
+        "--delivered a record its transaction aborts",
     )
+    _out_of_order_argument(resolve_cmd, "with --pending")
     retry_cmd = add_command(
         "retry",
         help="send a quarantined message again (releases the key it holds)",
         description="Move one quarantined message, or all of them (--quarantined, optionally "
         "of one --topic), back to pending with a fresh retry budget. Fix what made Kafka refuse "
         "it first. Each decision is recorded. With --fence, one message moves only if it has "
-        "not changed since you read that fence.",
+        "not changed since you read that fence. A message that later messages of its key may "
+        "already have overtaken in Kafka (delivered with it) is refused unless --out-of-order, "
+        "and left quarantined by --quarantined, which names it.",
     )
     target = retry_cmd.add_mutually_exclusive_group(required=True)
     target.add_argument(
@@ -346,6 +361,7 @@ def _parser() -> argparse.ArgumentParser:
         "--reason", default="retried by an operator", help="stored with the decision"
     )
     _fence_argument(retry_cmd, "with ID; without it, a warning")
+    _out_of_order_argument(retry_cmd, "with ID")
     discard_cmd = add_command(
         "discard",
         help="never deliver a pending, quarantined or uncertain message (releases its key)",
@@ -359,7 +375,15 @@ def _parser() -> argparse.ArgumentParser:
     discard_cmd.add_argument("message_id", type=uuid.UUID, metavar="ID", help="the message id")
     discard_cmd.add_argument("--reason", required=True, help="why; stored with the decision")
     _fence_argument(discard_cmd, "without it, a warning")
-    return parser
+
+
+def _out_of_order_argument(command: argparse.ArgumentParser, applies: str) -> None:
+    command.add_argument(
+        "--out-of-order",
+        action="store_true",
+        help=f"{applies}: send it even though later messages of its key may already be in "
+        "Kafka; their consumers then see it after them",
+    )
 
 
 def _state(text: str) -> State:
@@ -469,6 +493,7 @@ def _resolution_options(args: argparse.Namespace) -> dict[str, Any]:
         "partition": args.partition,
         "offset": args.offset,
         "force_before_deadline": args.force_before_deadline,
+        "out_of_order": args.out_of_order,
     }
 
 
@@ -482,6 +507,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             check_resolution(args.message_id, args.resolution, **_resolution_options(args))
         elif args.command == "retry" and args.quarantined and args.fence is not None:
             return "--fence goes with one message ID, not with --quarantined"
+        elif args.command == "retry" and args.quarantined and args.out_of_order:
+            return (
+                "--out-of-order goes with one message ID, not with --quarantined: decide "
+                "each message that later ones of its key overtook by itself"
+            )
         elif args.command == "retry" and args.topic and not args.quarantined:
             return "--topic only goes with --quarantined"
         elif args.command == "migrate" and args.create_roles:
@@ -558,14 +588,23 @@ def _retry(args: argparse.Namespace) -> int:
     with _connect_to_decide(args) as conn:
         if args.quarantined:
             try:
-                ids = retry_quarantined(conn, topic=args.topic, reason=args.reason)
+                retried = retry_quarantined(conn, topic=args.topic, reason=args.reason)
             except ValueError as exc:
                 raise OutboxError(str(exc)) from exc
             scope = f" of topic {args.topic}" if args.topic else ""
-            print(f"{len(ids)} quarantined message(s){scope} -> pending ({args.reason})")
-            return EXIT_OK
+            print(f"{len(retried.moved)} quarantined message(s){scope} -> pending ({args.reason})")
+            for message_id, later in retried.overtaken.items():
+                print(
+                    f"left quarantined: {message_id}: {len(later)} later message(s) of its "
+                    f"key may already be in Kafka (first {later[0].later_id}, "
+                    f"{later[0].later_state}); `outbox retry {message_id} --out-of-order` "
+                    "sends it after them, `outbox discard` drops it"
+                )
+            return EXIT_ACTION_NEEDED if retried.overtaken else EXIT_OK
         try:
-            before = retry(conn, args.message_id, args.reason, fence=args.fence)
+            before = retry(
+                conn, args.message_id, args.reason, fence=args.fence, out_of_order=args.out_of_order
+            )
         except ValueError as exc:
             raise OutboxError(str(exc)) from exc
     print(f"message {args.message_id}: {before.value} -> pending ({args.reason})")

@@ -53,9 +53,11 @@ _ESCALATED_ACTION = (
 #: Escalated because later messages of its key are in Kafka while its record is not.
 _OVERTAKEN_ACTION = (
     "its record was never written, and later messages of its key were: "
-    "outbox resolve ID --pending --fence {fence} --reason TEXT sends it after them, "
+    "outbox resolve ID --pending --out-of-order --fence {fence} --reason TEXT sends it after "
+    "them, "
     "outbox resolve ID --discard --fence {fence} --reason TEXT never sends it "
-    "(--delivered would lose it; refused if the message changed since fence {fence})"
+    "(--delivered would lose it and is refused; each refused if the message changed since "
+    "fence {fence})"
 )
 #: An uncertain message whose last error is the reconciler's note that it waits on Kafka.
 _WAITING_ACTION = (

@@ -31,9 +31,9 @@ from __future__ import annotations
 import getpass
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -44,7 +44,7 @@ from psycopg.types.json import Jsonb
 from outbox.errors import OutboxError
 from outbox.holds import release_held_of
 from outbox.queries import query
-from outbox.states import State
+from outbox.states import ABSENCE_GRACE_SECONDS, State
 
 
 class Resolution(StrEnum):
@@ -77,6 +77,12 @@ class BeforeWriteDeadline(DecisionRefused):
     delivery, until its session is fenced)."""
 
 
+class OutOfOrder(DecisionRefused):
+    """Sending the message again would write it after later messages of its key that may
+    already be in Kafka (``overtaken_by``); allowed only when the decision says so
+    (``out_of_order``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Seen:
     """What ``decision_check`` read about a message."""
@@ -95,6 +101,20 @@ class _Seen:
     decided_by: str | None
     from_state: str | None
     to_state: str | None
+    #: The reconciler could not decide it (it read Kafka after its own absence grace).
+    escalated: bool
+    #: The reconciler proved its record absent, later messages of its key present.
+    proven_absent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Overtaken:
+    """A later message of a stuck message's key that may already be in Kafka."""
+
+    message_id: uuid.UUID
+    later_id: uuid.UUID
+    #: ``delivered`` (sent in the batch of the message's last send) or ``uncertain``.
+    later_state: str
 
 
 def operator_name() -> str:
@@ -117,6 +137,7 @@ def resolve(
     partition: int | None = None,
     offset: int | None = None,
     force_before_deadline: bool = False,
+    out_of_order: bool = False,
     decided_by: str | None = None,
 ) -> State:
     """Move an uncertain (or quarantined) message as the operator decided; return its old state.
@@ -128,12 +149,18 @@ def resolve(
     when it is not one of ``RESOLVABLE``, or when ``partition`` is not the one an
     uncertain message's record was sent to (when its row records one: not after a
     recovery from an expired lease); ``StaleDecision`` naming what
-    changed when it is no longer at ``fence``; ``BeforeWriteDeadline`` for
-    ``PENDING`` or ``DISCARD`` while the record of an uncertain message may
-    still be written (unless ``force_before_deadline``, which risks sending it
-    twice, or, discarded, writing it after later messages of its key); and
-    ``ValueError`` for an empty reason, a missing fence, or a location that
-    is half given or negative.
+    changed when it is no longer at ``fence``; ``BeforeWriteDeadline`` when
+    it is too soon for an uncertain message (unless ``force_before_deadline``,
+    unsafe): ``PENDING`` or ``DISCARD`` while its record may still be written
+    (sent again, a second copy; discarded, its record may land after later
+    messages of its key), ``PENDING`` until ``ABSENCE_GRACE_SECONDS`` after
+    its write deadline (a record written by then may not be readable yet),
+    ``DELIVERED`` while its Kafka transaction session is unfenced (a record
+    seen there may yet be aborted); ``DecisionRefused`` for ``DELIVERED`` of a
+    message the reconciler proved absent; ``OutOfOrder`` for ``PENDING`` when
+    later messages of its key may already be in Kafka, unless
+    ``out_of_order``; and ``ValueError`` for an empty reason, a missing fence,
+    or a location that is half given or negative.
     """
     check_resolution(
         message_id,
@@ -142,6 +169,7 @@ def resolve(
         partition=partition,
         offset=offset,
         force_before_deadline=force_before_deadline,
+        out_of_order=out_of_order,
     )
     return _decide(
         conn,
@@ -153,6 +181,7 @@ def resolve(
         partition=partition,
         offset=offset,
         force_before_deadline=force_before_deadline,
+        out_of_order=out_of_order,
         decided_by=decided_by,
         action="resolved",
     )
@@ -166,6 +195,7 @@ def check_resolution(
     partition: int | None = None,
     offset: int | None = None,
     force_before_deadline: bool = False,
+    out_of_order: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming what ``resolve`` would refuse in these arguments
     themselves, before it reads anything: a location half given, negative or not
@@ -184,8 +214,8 @@ def check_resolution(
             f"--{resolution.value} needs --fence N, the fence `outbox inspect {message_id}` "
             "shows: the decision applies only if the message has not changed since"
         )
-    if force_before_deadline and resolution not in (Resolution.PENDING, Resolution.DISCARD):
-        raise ValueError("--force-before-deadline only goes with --pending or --discard")
+    if out_of_order and resolution is not Resolution.PENDING:
+        raise ValueError("--out-of-order only goes with --pending")
 
 
 def retry(
@@ -194,11 +224,14 @@ def retry(
     reason: str = "retried by an operator",
     *,
     fence: int | None = None,
+    out_of_order: bool = False,
     decided_by: str | None = None,
 ) -> State:
     """Send a quarantined message again, with a fresh retry budget; return its old state.
 
-    With ``fence``, only if the message is still at that fence (else ``StaleDecision``).
+    With ``fence``, only if the message is still at that fence (else
+    ``StaleDecision``). ``OutOfOrder`` when later messages of its key may
+    already be in Kafka, unless ``out_of_order``.
     """
     return _decide(
         conn,
@@ -207,9 +240,21 @@ def retry(
         (State.QUARANTINED,),
         reason,
         fence=fence,
+        out_of_order=out_of_order,
         decided_by=decided_by,
         action="retried",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Retried:
+    """What ``retry_quarantined`` did."""
+
+    #: The messages sent again, in seq order.
+    moved: list[uuid.UUID]
+    #: The messages left quarantined, each with the later messages of its key that may
+    #: already be in Kafka: retry each by itself, with ``out_of_order``, or discard it.
+    overtaken: dict[uuid.UUID, list[Overtaken]]
 
 
 def retry_quarantined(
@@ -218,18 +263,39 @@ def retry_quarantined(
     topic: str | None = None,
     reason: str = "retried by an operator",
     decided_by: str | None = None,
-) -> list[uuid.UUID]:
-    """Send every quarantined message (of ``topic``, or all) again; return their ids."""
+) -> Retried:
+    """Send every quarantined message (of ``topic``, or all) again, but those that later
+    messages of their key may have overtaken in Kafka (``Retried.overtaken``)."""
     if not reason.strip():
         raise ValueError("a decision needs a reason (--reason)")
     with conn.transaction():
+        ids = [row[0] for row in conn.execute(query("quarantined_ids"), {"topic": topic})]
+        overtaken = overtaken_by(conn, ids)
         rows = conn.execute(
             query("retry_quarantined"),
-            {"topic": topic, "reason": reason, "decided_by": decided_by or operator_name()},
+            {
+                "ids": [i for i in ids if i not in overtaken],
+                "reason": reason,
+                "decided_by": decided_by or operator_name(),
+            },
         ).fetchall()
         moved = [row[0] for row in rows]
         release_held_of(conn, moved)
-    return moved
+    return Retried(moved, overtaken)
+
+
+def overtaken_by(
+    conn: psycopg.Connection[Any], message_ids: Collection[uuid.UUID]
+) -> dict[uuid.UUID, list[Overtaken]]:
+    """Of these uncertain or quarantined messages, those that later messages of their key
+    may have overtaken in Kafka, each with those messages in seq order (``overtaken_by``)."""
+    found: dict[uuid.UUID, list[Overtaken]] = {}
+    if not message_ids:
+        return found
+    with conn.cursor(row_factory=class_row(Overtaken)) as cur:
+        for row in cur.execute(query("overtaken_by"), {"ids": list(message_ids)}):
+            found.setdefault(row.message_id, []).append(row)
+    return found
 
 
 #: The states an operator may discard a message from.
@@ -273,6 +339,8 @@ class _Decision:
     force_before_deadline: bool
     #: Where the operator found the record (``resolve --delivered --partition``).
     partition: int | None = None
+    #: Sent again even after later messages of its key (``--out-of-order``).
+    out_of_order: bool = False
 
 
 def _decide(
@@ -286,15 +354,23 @@ def _decide(
     partition: int | None = None,
     offset: int | None = None,
     force_before_deadline: bool = False,
+    out_of_order: bool = False,
     decided_by: str | None = None,
     action: str,
 ) -> State:
     if not reason.strip():
         raise ValueError("a decision needs a reason (--reason)")
     decision = _Decision(
-        message_id, to_state, from_states, action, fence, force_before_deadline, partition
+        message_id,
+        to_state,
+        from_states,
+        action,
+        fence,
+        force_before_deadline,
+        partition,
+        out_of_order,
     )
-    evidence: Mapping[str, Any] = {
+    evidence: dict[str, Any] = {
         k: v for k, v in (("partition", partition), ("offset", offset)) if v is not None
     }
     # A decision the override let through says so in its evidence (resolve_message).
@@ -304,9 +380,14 @@ def _decide(
         # savepoint) back: a lock taken by resolve_lock is released with it.
         with conn.cursor(row_factory=class_row(_Seen)) as cur:
             seen = cur.execute(query("decision_check"), {"id": message_id}).fetchone()
-        refusal = _refusal(decision, seen)
+        later = overtaken_by(conn, [message_id]).get(message_id, [])
+        refusal = _refusal(decision, seen, later if to_state is State.PENDING else [])
         if refusal is not None:
             raise refusal
+        if later and to_state is State.PENDING:
+            # Let through by out_of_order: the decision says after which.
+            evidence["sent_after"] = [str(o.later_id) for o in later[:10]]
+            evidence["sent_after_count"] = len(later)
 
     with conn.transaction():
         _require_read_committed(conn)
@@ -322,11 +403,12 @@ def _decide(
                 "from_states": [s.value for s in from_states],
                 "fence": fence,
                 "force_before_deadline": force_before_deadline,
+                "absence_grace": ABSENCE_GRACE_SECONDS,
                 "partition": partition,
                 "offset": offset,
                 "reason": reason,
                 "decided_by": decided_by or operator_name(),
-                "evidence": Jsonb(dict(evidence)),
+                "evidence": Jsonb(evidence),
             },
         ).fetchone()
         if row is None or row[0] is None or not row[1]:
@@ -351,8 +433,14 @@ def _require_read_committed(conn: psycopg.Connection[Any]) -> None:
         )
 
 
-def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
-    """Why ``decision`` must not apply to the message as ``seen``, or None when it may."""
+def _refusal(
+    decision: _Decision, seen: _Seen | None, later: list[Overtaken]
+) -> DecisionRefused | None:
+    """Why ``decision`` must not apply to the message as ``seen``, or None when it may.
+
+    ``later``: the later messages of its key that may already be in Kafka
+    (``overtaken_by``), read for a decision that would send it again.
+    """
     message_id, fence = decision.message_id, decision.fence
     if seen is None:
         return DecisionRefused(f"no message {message_id}")
@@ -381,6 +469,14 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
             f"message {message_id} {made_from}: {_what_changed(seen)}; run "
             f"`outbox inspect {message_id}` and decide again from what it shows now"
         )
+    return _risk(decision, seen, later)
+
+
+def _risk(decision: _Decision, seen: _Seen, later: list[Overtaken]) -> DecisionRefused | None:
+    """What the decision would risk on a message in a state and at a fence it applies to:
+    a record looked for in the wrong partition, one proven absent recorded delivered, a
+    decision taken too soon, a message sent after later ones of its key."""
+    message_id = decision.message_id
     if (
         decision.partition is not None
         and seen.sent_to_partition is not None
@@ -394,51 +490,97 @@ def _refusal(decision: _Decision, seen: _Seen | None) -> DecisionRefused | None:
             "recreated) is recorded by --delivered without --partition and --offset, with "
             "where it is in --reason"
         )
-    if (
-        decision.to_state in _WAITS_FOR_THE_WRITE_DEADLINE
-        and seen.state == State.UNCERTAIN
-        and not decision.force_before_deadline
-    ):
-        return _before_write_deadline(message_id, seen, decision.to_state)
+    if decision.to_state is State.DELIVERED and seen.proven_absent:
+        return DecisionRefused(
+            f"message {message_id}: the reconciler proved its record absent from the "
+            "partition it was sent to, while later messages of its key are there (`outbox "
+            f"inspect {message_id}` shows its evidence): recorded delivered, it would never "
+            "reach consumers. Decide --pending --out-of-order (sent after them) or --discard"
+        )
+    if seen.state == State.UNCERTAIN and not decision.force_before_deadline:
+        too_soon = _too_soon(message_id, seen, decision.to_state)
+        if too_soon is not None:
+            return too_soon
+    if later and not decision.out_of_order:
+        return _out_of_order(decision, later)
     return None
 
 
 #: What an uncertain message may become only once its record can no longer be
 #: written, what doing it sooner risks (sent again, a second copy; discarded, its
-#: key released while the record may still land after later messages of the key),
-#: and the command that overrides the check.
-_WAITS_FOR_THE_WRITE_DEADLINE = {
+#: key released while the record may still land after later messages of the key;
+#: delivered, a record seen in a transaction that may yet be aborted), and the
+#: command that overrides the check.
+_TOO_SOON = {
     State.PENDING: ("sending it again now may deliver it twice", "--force-before-deadline"),
     State.DISCARDED: (
         "discarding it now releases its key while its record may still be written, after "
         "later messages of the key (and a discarded message would then be delivered)",
         "`outbox resolve {id} --discard --force-before-deadline --reason TEXT`",
     ),
+    State.DELIVERED: (
+        "a record of it that you read there may yet be aborted with that transaction (a "
+        "reader that shows uncommitted records shows it), and recorded delivered it would "
+        "never reach read_committed consumers",
+        "--force-before-deadline, once a read_committed reader shows the record,",
+    ),
 }
 
 
-def _before_write_deadline(
-    message_id: uuid.UUID, seen: _Seen, to_state: State
-) -> BeforeWriteDeadline | None:
-    """Refuse moving an uncertain message on while its record may still be written."""
-    risk, override = _WAITS_FOR_THE_WRITE_DEADLINE[to_state]
+def _too_soon(message_id: uuid.UUID, seen: _Seen, to_state: State) -> BeforeWriteDeadline | None:
+    """Refuse moving an uncertain message on while its record may still be written, or
+    may be written and not be readable yet, or (delivered) may yet be aborted."""
+    risk, override = _TOO_SOON[to_state]
     override = override.format(id=message_id)
     if seen.unfenced_session is not None:
         return BeforeWriteDeadline(
             f"message {message_id} was sent in the Kafka transaction of producer session "
             f"{seen.unfenced_session}, which has not been fenced: that session may still "
-            f"commit its record, and {risk}. Run `outbox-publisher reconcile`: it fences the "
-            f"session and decides the message from what Kafka committed ({override} overrides "
-            "this check, unsafely)"
+            f"commit or abort its record, and {risk}. Run `outbox-publisher reconcile`: it "
+            f"fences the session and decides the message from what Kafka committed "
+            f"({override} overrides this check, unsafely)"
         )
-    if seen.write_deadline is not None and seen.write_deadline > seen.checked_at:
-        return BeforeWriteDeadline(
-            f"message {message_id} may still be written by the producer that sent it until "
-            f"{seen.write_deadline.isoformat()} (its write deadline): {risk}. Decide it from "
-            "then on (`outbox-publisher reconcile` decides it from Kafka once the deadline has "
-            f"passed); {override} overrides this check, unsafely"
+    if seen.write_deadline is None or to_state is State.DELIVERED:
+        return None
+    # Sent again, it waits the absence grace too: a record written by the
+    # deadline may be unreadable that long, so not finding it proves nothing
+    # (escalated, the reconciler has read Kafka after its own grace).
+    grace = ABSENCE_GRACE_SECONDS if to_state is State.PENDING and not seen.escalated else 0.0
+    decidable = seen.write_deadline + timedelta(seconds=grace)
+    if decidable <= seen.checked_at:
+        return None
+    deadline = seen.write_deadline.isoformat()
+    if seen.write_deadline > seen.checked_at:
+        why = f"may still be written by the producer that sent it until {deadline} (its deadline)"
+    else:
+        why = (
+            f"may have been written by its write deadline ({deadline}) and not be readable "
+            f"yet: a partition leader shows a record once its in-sync followers copied it, "
+            f"up to {grace:g} s later"
         )
-    return None
+    return BeforeWriteDeadline(
+        f"message {message_id} {why}: {risk}. Decide it from {decidable.isoformat()} on "
+        f"(`outbox-publisher reconcile` decides it from Kafka then); {override} overrides "
+        "this check, unsafely"
+    )
+
+
+def _out_of_order(decision: _Decision, later: list[Overtaken]) -> OutOfOrder:
+    """Refuse sending a message again after later messages of its key that may be in Kafka."""
+    message_id = decision.message_id
+    shown = ", ".join(f"{o.later_id} ({o.later_state})" for o in later[:5])
+    more = f" and {len(later) - 5} more" if len(later) > 5 else ""
+    command = (
+        f"outbox resolve {message_id} --pending --out-of-order"
+        if decision.action == "resolved"
+        else f"outbox retry {message_id} --out-of-order"
+    )
+    return OutOfOrder(
+        f"message {message_id}: later messages of its key may already be in Kafka: {shown}"
+        f"{more} (delivered, or uncertain: sent with it). Sent again now, it would reach "
+        f"consumers after them. If its key's consumers can take that, `{command}` sends it "
+        f"anyway; else discard it (`outbox discard {message_id} --reason TEXT`)"
+    )
 
 
 def _what_changed(seen: _Seen) -> str:

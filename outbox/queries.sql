@@ -804,18 +804,25 @@ SELECT id FROM decided
 -- messages, so an escalated message's session is fenced). The clock is the
 -- wall clock, as the publisher's deadline is. sent_to_partition: the
 -- partition an uncertain message's record was sent to, when known; its record
--- is there or nowhere.
+-- is there or nowhere. proven_absent: the last decision is the reconciler's
+-- escalation of an uncertain message whose record it proved absent while
+-- later messages of its key are in Kafka (its evidence names them,
+-- later_of_key).
 SELECT s.state, s.fence, s.attempts, clock_timestamp() AS checked_at,
        CASE WHEN s.state = 'uncertain' THEN s.kafka_partition END AS sent_to_partition,
        CASE WHEN s.state = 'uncertain' AND b.transactional_id IS NULL
             THEN coalesce(b.write_deadline, s.available_at) END AS write_deadline,
        CASE WHEN s.state = 'uncertain' AND s.escalated_at IS NULL
             THEN b.transactional_id END AS unfenced_session,
-       d.decided_at, d.decided_by, d.from_state, d.to_state
+       d.decided_at, d.decided_by, d.from_state, d.to_state,
+       s.escalated_at IS NOT NULL AS escalated,
+       s.state = 'uncertain' AND s.escalated_at IS NOT NULL
+           AND d.from_state = 'uncertain' AND d.to_state = 'uncertain'
+           AND coalesce(d.evidence ? 'later_of_key', false) AS proven_absent
 FROM outbox.message_status AS s
 LEFT JOIN outbox.batches AS b ON b.id = s.batch_id
 LEFT JOIN LATERAL (
-    SELECT decided_at, decided_by, from_state, to_state
+    SELECT decided_at, decided_by, from_state, to_state, evidence
     FROM outbox.decisions
     WHERE message_id = s.id
     ORDER BY id DESC
@@ -853,10 +860,14 @@ FOR UPDATE OF m
 -- message moves only if it is in one of from_states (the state as
 -- outbox.message_status derives it: a pending message named by an open batch
 -- is in flight), still at the fence the decision names (NULL: not checked),
--- and, moving an uncertain message to pending (a second copy) or discarded
--- (its key released while its record may land after later ones), only once
--- nothing can write its record any more (as decision_check says), unless
--- forced. The decision
+-- and, for an uncertain message, unless forced, not too soon (as
+-- decision_check says): to pending (a second copy) or discarded (its key
+-- released while its record may land after later ones) only once nothing can
+-- write its record any more, and to pending only absence_grace seconds after
+-- its write deadline too (a record written by then may stay unreadable that
+-- long; not once escalated: the reconciler read Kafka after its own grace);
+-- to delivered not while its Kafka transaction session is unfenced
+-- (the record an operator saw there may yet be aborted). The decision
 -- raises the fence: a second decision made from the same reading is refused.
 -- decided_by is the operator's name (user@host of the command) and the
 -- database user it logged in as: the login is what was authenticated.
@@ -865,8 +876,13 @@ WITH target AS (
     SELECT s.id, s.state, s.fence,
            s.state = 'uncertain' AND CASE
                WHEN b.transactional_id IS NOT NULL THEN s.escalated_at IS NULL
-               ELSE coalesce(b.write_deadline, s.available_at) > clock_timestamp()
-           END AS may_still_be_written
+               WHEN %(to_state)s::text = 'delivered' THEN false
+               ELSE coalesce(b.write_deadline, s.available_at)
+                    + make_interval(secs => CASE WHEN %(to_state)s::text = 'pending'
+                                                      AND s.escalated_at IS NULL
+                                                 THEN %(absence_grace)s::float8 ELSE 0 END)
+                    > clock_timestamp()
+           END AS too_soon
     FROM outbox.message_status AS s
     LEFT JOIN outbox.batches AS b ON b.id = s.batch_id
     WHERE s.id = %(id)s
@@ -894,10 +910,8 @@ WITH target AS (
     FROM target AS t, decision AS d
     WHERE m.id = t.id AND t.state = ANY(%(from_states)s::text[])
       AND (%(fence)s::bigint IS NULL OR m.fence = %(fence)s::bigint)
-      AND NOT (d.to_state IN ('pending', 'discarded') AND t.may_still_be_written
-               AND NOT %(force_before_deadline)s::boolean)
-    RETURNING m.id, t.state AS from_state, d.to_state, d.reason,
-              d.to_state IN ('pending', 'discarded') AND t.may_still_be_written AS forced
+      AND NOT (t.too_soon AND NOT %(force_before_deadline)s::boolean)
+    RETURNING m.id, t.state AS from_state, d.to_state, d.reason, t.too_soon AS forced
 ), logged AS (
     -- The evidence says forced_before_deadline only when the override let the
     -- decision through: asked for after the deadline, it overrode nothing.
@@ -910,11 +924,47 @@ WITH target AS (
 )
 SELECT (SELECT state FROM target), EXISTS (SELECT 1 FROM moved)
 
+-- name: quarantined_ids
+-- The quarantined messages (of one topic, or all), through their partial
+-- index (messages_quarantined), in seq order: what outbox retry --quarantined
+-- would send again.
+SELECT id FROM outbox.messages
+WHERE state = 'quarantined' AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+ORDER BY seq
+
+-- name: overtaken_by
+-- Of these uncertain or quarantined messages, the later messages of their key
+-- (same topic and key, higher seq) that may already be in Kafka: delivered in
+-- the batch of the message's last send (settles record it as the row's
+-- batch_id), or uncertain, whichever batch sent them. Sending the message
+-- again would write it after them: an operator's decision that would
+-- (resolve --pending, retry) is refused unless it says --out-of-order. Those
+-- two are the only ways a later message of a stuck key gets there: a claim
+-- takes no message of a key behind an uncertain or quarantined one, so none
+-- can be sent between this reading and the decision. One row a later
+-- message, in seq order; read by primary key and through messages_holding_keys.
+SELECT s.id AS message_id, l.id AS later_id, l.state AS later_state
+FROM outbox.messages AS s
+CROSS JOIN LATERAL (
+    SELECT u.id, u.seq, u.state FROM outbox.messages AS u
+    WHERE u.key IS NOT NULL AND u.key_hash = s.key_hash AND u.seq > s.seq
+      AND u.state = 'uncertain' AND u.topic = s.topic AND u.key = s.key
+    UNION
+    SELECT d.id, d.seq, d.state
+    FROM outbox.batches AS b
+    JOIN outbox.messages AS d ON d.id = ANY(b.message_ids)
+    WHERE b.id = s.batch_id AND d.seq > s.seq AND d.state = 'delivered'
+      AND d.topic = s.topic AND d.key = s.key
+) AS l
+WHERE s.id = ANY(%(ids)s::uuid[]) AND s.key IS NOT NULL
+  AND s.state IN ('uncertain', 'quarantined')
+ORDER BY s.seq, l.seq
+
 -- name: retry_quarantined
--- An operator sends every quarantined message (of one topic, or all) again,
--- with a fresh retry budget; each decision is recorded with its reason and
--- raises the fence, as resolve_message does. A quarantined message's record
--- was refused, not sent, so no write deadline applies.
+-- An operator sends these quarantined messages again, with a fresh retry
+-- budget (those of them still quarantined); each decision is recorded with
+-- its reason and raises the fence, as resolve_message does. A quarantined
+-- message's record was refused, not sent, so no write deadline applies.
 WITH moved AS (
     UPDATE outbox.messages AS m
     SET state = 'pending',
@@ -923,7 +973,7 @@ WITH moved AS (
         failures = 0,
         last_error = format('pending by an operator: %%s', %(reason)s::text),
         updated_at = now()
-    WHERE m.state = 'quarantined' AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+    WHERE m.id = ANY(%(ids)s::uuid[]) AND m.state = 'quarantined'
     RETURNING m.id
 ), logged AS (
     INSERT INTO outbox.decisions (message_id, decided_by, from_state, to_state, reason)

@@ -35,3 +35,15 @@ WAITING_NOTE = "reconciliation waits: "
 #: proved its record absent but later messages of its key are in Kafka: sending it now
 #: would put it after them, and ``outbox inspect`` offers ``--pending`` or ``--discard``.
 OVERTAKEN_NOTE = "proven absent, but later messages of its key are in Kafka: "
+
+#: Seconds after an uncertain message's write deadline before its record's
+#: absence from Kafka counts as proof: the publisher's default
+#: ``--absence-grace``, and how long after the deadline an operator's
+#: ``resolve --pending`` waits. A record the partition leader wrote is
+#: invisible to a reader (above the high watermark) until every in-sync
+#: follower has copied it or been dropped from the ISR. A leader drops a
+#: follower that has not caught up for ``replica.lag.time.max.ms`` (Kafka's
+#: default 30 s), but looks for such followers only every half of that, and
+#: then waits for the controller to accept the smaller ISR: up to 1.5 times it
+#: (45 s) and a round trip. 60 s covers that with a margin.
+ABSENCE_GRACE_SECONDS = 60.0

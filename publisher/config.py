@@ -30,6 +30,7 @@ from outbox.errors import OutboxError
 from outbox.redaction import driver_url_problem, libpq_choice_problem, parse_reason
 from outbox.redaction import redact as redact  # noqa: PLC0414 - moved there; callers keep this name
 from outbox.retention import MIN_DELIVERED_AGE, parse_duration
+from outbox.states import ABSENCE_GRACE_SECONDS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -49,15 +50,9 @@ _LATE_REQUEST_MS = 100
 WRITE_MARGIN_MS = 2 * _TIMEOUT_SCAN_MS + _LATE_REQUEST_MS
 
 #: Seconds after an uncertain message's write deadline before its record's
-#: absence from Kafka counts as proof (``--absence-grace``). A record the
-#: partition leader wrote is invisible to a scan (above the high watermark)
-#: until every in-sync follower has copied it or been dropped from the ISR.
-#: A leader drops a follower that has not caught up for
-#: ``replica.lag.time.max.ms`` (Kafka's default 30 s), but looks for such
-#: followers only every half of that, and then waits for the controller to
-#: accept the smaller ISR: up to 1.5 times it (45 s) and a round trip. 60 s
-#: covers that with a margin.
-DEFAULT_ABSENCE_GRACE = 60.0
+#: absence from Kafka counts as proof (``--absence-grace``): see
+#: ``outbox.states.ABSENCE_GRACE_SECONDS``, which operators' decisions wait too.
+DEFAULT_ABSENCE_GRACE = ABSENCE_GRACE_SECONDS
 #: How long a follower that stopped copying can keep a written record unreadable with
 #: Kafka's default replica.lag.time.max.ms (30 s): 1.5 times it.
 KAFKA_DEFAULT_HIDDEN_SECONDS = 45.0

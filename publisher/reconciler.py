@@ -981,7 +981,7 @@ class Reconciler:
         return (
             f"{OVERTAKEN_NOTE}{len(later)} (first: {min(later)}), written after it was sent: "
             "sending it now would put it after them; decide with outbox resolve --pending "
-            "(sent after them) or --discard (never sent), not --delivered",
+            "--out-of-order (sent after them) or --discard (never sent), not --delivered",
             sorted(str(i) for i in later),
         )
 

@@ -35,7 +35,7 @@ from kafka.admin import (
 from kafka.errors import KafkaError
 from psycopg.rows import dict_row
 
-from outbox.states import State
+from outbox.states import ABSENCE_GRACE_SECONDS, State
 from publisher.config import DELIVERY_MODES as _DELIVERY_MODES
 from publisher.config import PublisherConfig
 from publisher.outcomes import AttemptOutcome
@@ -523,15 +523,21 @@ def start_broker_again(bootstrap: str) -> None:
 # --- uncertain messages and their records, for recovery and reconciliation tests ---
 
 
+#: A write deadline long enough ago that an operator may decide an uncertain message at
+#: once: before the absence grace that follows it ``resolve --pending`` is refused.
+DEADLINE_LONG_PAST = -ABSENCE_GRACE_SECONDS - 1.0
+
+
 def make_uncertain(
-    database_url: str, *, partitions: int = 3, write_deadline_seconds: float = 0.0
+    database_url: str, *, partitions: int = 3, write_deadline_seconds: float = DEADLINE_LONG_PAST
 ) -> dict[uuid.UUID, int]:
     """Claim every pending message and settle it ``uncertain`` after sending began.
 
     This is what a publisher records when its send timed out: the batch was
     marked as sending (with its confirmed-offset snapshot and a write deadline
-    ``write_deadline_seconds`` away), then every message was settled uncertain
-    with the partition chosen for it. Returns each message's id and partition.
+    ``write_deadline_seconds`` away: by default long past), then every message
+    was settled uncertain with the partition chosen for it. Returns each
+    message's id and partition.
     """
     return _make_uncertain(database_url, partitions, write_deadline_seconds, None)
 
@@ -541,7 +547,7 @@ def make_uncertain_in_transaction(
     transactional_id: str,
     *,
     partitions: int = 3,
-    write_deadline_seconds: float = 0.0,
+    write_deadline_seconds: float = DEADLINE_LONG_PAST,
 ) -> dict[uuid.UUID, int]:
     """``make_uncertain``, as a transactional publisher records it: the batch was sent
     under ``transactional_id`` and its transaction's end is unknown."""

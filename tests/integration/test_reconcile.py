@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 
 import outbox
 from outbox.inspection import list_messages, read_timeline
-from outbox.operator import DecisionRefused, Resolution, discard, resolve
+from outbox.operator import DecisionRefused, OutOfOrder, Resolution, discard, resolve
 from outbox.render import listing_text
 from outbox.states import OVERTAKEN_NOTE, WAITING_NOTE, State
 from outbox.status import read_held_keys, read_status
@@ -604,6 +604,20 @@ def test_an_absent_message_whose_key_moved_on_in_kafka_escalates_instead_of_rese
     assert "--pending" in action
     assert "--discard" in action
     assert line.next_action.startswith("1 escalated: the reconciler could not decide them")
+
+    # An operator may send it after the second one, knowingly, or drop it; its record
+    # proven absent, --delivered would lose it.
+    [(fence,)] = fetch_rows(database_url, "SELECT fence FROM outbox.messages WHERE id = %s", first)
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(DecisionRefused, match="proved its record absent"):
+            resolve(conn, first, Resolution.DELIVERED, "seen it", fence=fence)
+        with pytest.raises(OutOfOrder, match=re.escape(f"{second} (delivered)")):
+            resolve(conn, first, Resolution.PENDING, "resend", fence=fence)
+        resolve(conn, first, Resolution.PENDING, "resend it", fence=fence, out_of_order=True)
+    assert _message(database_url, first)[0] == "pending"
+    *_, (decided, *_, to_state, _, evidence) = _decisions(database_url)
+    assert (decided, to_state) == (first, "pending")
+    assert evidence == {"sent_after": [str(second)], "sent_after_count": 1}
 
 
 # Idempotent delivery only: a fenced transactional session leaves nothing above

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -15,7 +16,7 @@ import pytest
 from kafka.admin import ACLOperation, ResourceType
 
 import outbox
-from outbox.states import State
+from outbox.states import ABSENCE_GRACE_SECONDS, State
 from publisher.outcomes import AttemptOutcome
 from publisher.store import Settlement
 from tests.support import (
@@ -796,3 +797,146 @@ def test_resolve_delivered_before_the_write_deadline_applies(database_url: str) 
     )
     assert result.returncode == 0, result.stderr
     assert _state(database_url, message_id)[0] == "delivered"
+
+
+def test_resolve_pending_waits_the_absence_grace_after_the_write_deadline(
+    database_url: str,
+) -> None:
+    """Just after the write deadline a record written by then may not be readable yet (its
+    in-sync followers have not all copied it): not finding it proves nothing, so --pending
+    is refused until the absence grace has passed too, naming when; --discard is not."""
+    message_id = _enqueue(database_url)
+    make_uncertain(database_url, write_deadline_seconds=-1.0)
+    [(deadline,)] = fetch_rows(
+        database_url,
+        "SELECT b.write_deadline FROM outbox.messages AS m "
+        "JOIN outbox.batches AS b ON b.id = m.batch_id",
+    )
+    fence = _fence(database_url, message_id)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+
+    refused = _outbox("resolve", str(message_id), "--pending", "--fence", fence,
+                      "--reason", "absent", url=database_url)  # fmt: skip
+
+    _assert_refused(refused, database_url, before)
+    decidable = deadline + timedelta(seconds=ABSENCE_GRACE_SECONDS)
+    assert f"may have been written by its write deadline ({deadline.isoformat()})" in (
+        refused.stderr
+    )
+    assert f"Decide it from {decidable.isoformat()} on" in refused.stderr
+    discarded = _outbox("resolve", str(message_id), "--discard", "--fence", fence,
+                        "--reason", "obsolete", url=database_url)  # fmt: skip
+    assert discarded.returncode == 0, discarded.stderr
+
+
+def test_resolve_delivered_of_an_unfenced_transaction_is_refused_unless_forced(
+    database_url: str,
+) -> None:
+    """A record read in a transaction that is not committed may yet be aborted: --delivered
+    of a message whose session is unfenced is refused (exit 2, naming the reconciler);
+    --force-before-deadline decides it, recorded as forced."""
+    message_id = _enqueue(database_url)
+    make_uncertain_in_transaction(database_url, "outbox-test-session-2")
+    fence = _fence(database_url, message_id)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    args = ("resolve", str(message_id), "--delivered", "--fence", fence, "--reason", "seen")
+
+    refused = _outbox(*args, url=database_url)
+
+    _assert_refused(refused, database_url, before)
+    assert "producer session outbox-test-session-2, which has not been fenced" in refused.stderr
+    assert "may yet be aborted with that transaction" in refused.stderr
+    forced = _outbox(*args, "--force-before-deadline", url=database_url)
+    assert forced.returncode == 0, forced.stderr
+    assert _state(database_url, message_id)[0] == "delivered"
+    [decision] = _decisions(database_url)
+    assert decision[5] == {"forced_before_deadline": True}
+
+
+def _overtaken_quarantined(database_url: str) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID]:
+    """Two messages of a key sent in one batch: the first refused for good (quarantined),
+    the second written; and a quarantined message of another key that nothing overtook."""
+    with psycopg.connect(database_url) as conn:
+        first, second, alone = outbox.enqueue_many(
+            conn,
+            [
+                outbox.Message("t", b"1", key="K"),
+                outbox.Message("t", b"2", key="K"),
+                outbox.Message("t", b"3", key="other"),
+            ],
+        )
+    store = claiming_store(database_url)
+    try:
+        batch = store.claim(10, lease_seconds=30)
+        assert batch is not None
+        fences = {m.id: m.fence for m in batch.messages}
+
+        def refused(message_id: uuid.UUID) -> Settlement:
+            return Settlement(message_id, fences[message_id], State.QUARANTINED,
+                              AttemptOutcome.FAILED, error="MessageSizeTooLargeError",
+                              send_began=False)  # fmt: skip
+
+        store.settle(
+            batch,
+            [
+                refused(first),
+                Settlement(
+                    second,
+                    fences[second],
+                    State.DELIVERED,
+                    AttemptOutcome.DELIVERED,
+                    partition=0,
+                    offset=7,
+                ),
+                refused(alone),
+            ],
+        )
+    finally:
+        store.close()
+    return first, second, alone
+
+
+def test_retry_of_a_message_a_later_one_of_its_key_overtook_is_refused_unless_out_of_order(
+    database_url: str,
+) -> None:
+    """Sent again, a quarantined message whose key's later message is already in Kafka would
+    reach consumers after it: retry ID is refused (exit 2, naming that message) unless
+    --out-of-order, recorded in the decision's evidence."""
+    first, second, _ = _overtaken_quarantined(database_url)
+    fence = _fence(database_url, first)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+
+    refused = _outbox("retry", str(first), "--fence", fence, url=database_url)
+
+    _assert_refused(refused, database_url, before)
+    assert f"later messages of its key may already be in Kafka: {second} (delivered)" in (
+        refused.stderr
+    )
+    assert f"`outbox retry {first} --out-of-order`" in refused.stderr
+    retried = _outbox("retry", str(first), "--fence", fence, "--out-of-order", url=database_url)
+    assert retried.returncode == 0, retried.stderr
+    assert _state(database_url, first)[0] == "pending"
+    [decision] = _decisions(database_url)
+    assert decision[5] == {"sent_after": [str(second)], "sent_after_count": 1}
+
+
+def test_retry_quarantined_leaves_a_message_a_later_one_of_its_key_overtook(
+    database_url: str,
+) -> None:
+    """retry --quarantined sends the others again and leaves the overtaken one quarantined,
+    naming it and the command that decides it; exit 1, something is left for a person."""
+    first, second, alone = _overtaken_quarantined(database_url)
+
+    result = _outbox("retry", "--quarantined", "--reason", "fixed", url=database_url)
+
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.startswith("1 quarantined message(s) -> pending (fixed)\n")
+    assert (
+        f"left quarantined: {first}: 1 later message(s) of its key may already be in Kafka "
+        f"(first {second}, delivered); `outbox retry {first} --out-of-order`"
+    ) in result.stdout
+    assert (_state(database_url, first)[0], _state(database_url, alone)[0]) == (
+        "quarantined",
+        "pending",
+    )
+    assert [d[0] for d in _decisions(database_url)] == [alone]

@@ -115,7 +115,7 @@ def test_an_uncertain_message_next_action_in_the_status_view_order() -> None:
     )
     assert overtaken.next_action.startswith("its record was never written")
     assert "--delivered would lose it" in overtaken.next_action
-    assert "resolve ID --pending --fence 3" in overtaken.next_action
+    assert "resolve ID --pending --out-of-order --fence 3" in overtaken.next_action
     stopped = _timeline("uncertain", running=False, last_error=note, available_at=late)
     assert stopped.next_action.startswith("no publisher is running to reconcile it")
     waiting = _timeline("uncertain", last_error=note, available_at=late)
