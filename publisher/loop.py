@@ -60,6 +60,7 @@ from publisher.outcomes import (
     counts_as_failure,
     error_text,
     is_unreachable,
+    may_land_after_abort,
     refuses_publisher,
     retry_delay,
 )
@@ -610,6 +611,19 @@ class Publisher:
             commit = bool(reports) and all(r.error is None for r in reports)
             end = self.sink.end_transaction(commit=commit)
         ids = ", ".join(str(b.id) for b in batches)
+        if end is TransactionEnd.ABORTED and any(
+            may_land_after_abort(r.error, handed_to_producer=r.handed_to_producer) for r in reports
+        ):
+            # What it carried is settled not written and sent again: never in
+            # this session, which a late request of the aborted one could join.
+            log.warning(
+                "batch %s: leaving producer session %s: a record's request went "
+                "unanswered in the transaction it aborted, and could still arrive",
+                ids,
+                self.sink.transactional_id,
+                extra={"batch_id": batches[0].id},
+            )
+            self.sink.discard_producer()
         if end is TransactionEnd.FENCED:
             lost = sum(len(b.messages) for b in batches)
             self.totals.stale += lost

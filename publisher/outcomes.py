@@ -104,6 +104,24 @@ def after_transaction(outcome: SendOutcome, end: TransactionEnd) -> SendOutcome:
     return outcome
 
 
+def may_land_after_abort(error: BaseException | None, *, handed_to_producer: bool) -> bool:
+    """Whether a produce request of a record left unanswered in an aborted transaction may
+    still reach its partition leader after the abort.
+
+    The abort hides what the partition held before it; a request still on its
+    way (timed out at the producer, on a connection that dropped) is appended
+    when it arrives. Should this session's next transaction have added that
+    partition by then, the broker takes it as that transaction's, and commits
+    it beside the record sent again: a second copy for read_committed
+    consumers. A new session is a new producer id, and the broker refuses a
+    request of one that has no transaction open (transaction verification,
+    Kafka 3.6 and later by default). Only an uncertain record's request can
+    be on its way: one confirmed was written before the abort, one refused
+    or never handed over sent nothing that could still land.
+    """
+    return classify(error, handed_to_producer=handed_to_producer) is SendOutcome.UNCERTAIN
+
+
 class TopicMissing(kafka_errors.KafkaError):  # type: ignore[misc]  # kafka-python is untyped
     """The topic does not exist and the publisher may not (or the broker will not) create it."""
 

@@ -968,6 +968,8 @@ def test_a_record_that_failed_aborts_its_transaction_and_sends_the_rest_again() 
 
     assert "abort" in events
     assert "commit" not in events
+    # Its request unanswered may still arrive: this session sends nothing more.
+    assert events.index("discard_producer") > events.index("abort")
     by_id = {s.message_id: s for s in store.settled[0]}
     assert by_id[failed.id].state is State.PENDING
     assert by_id[failed.id].counts_as_failure
@@ -976,6 +978,27 @@ def test_a_record_that_failed_aborts_its_transaction_and_sends_the_rest_again() 
     assert not by_id[confirmed.id].counts_as_failure
     assert by_id[confirmed.id].send_began
     assert "its transaction was aborted" in (by_id[confirmed.id].error or "")
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        SendReport(None, None, kafka_errors.MessageSizeTooLargeError("too large"), True),
+        SendReport(None, None, kafka_errors.KafkaTimeoutError("metadata"), False),
+    ],
+    ids=["refused", "never-handed-over"],
+)
+def test_an_abort_with_nothing_on_its_way_keeps_the_session(report: SendReport) -> None:
+    """A record refused, or never handed to the producer, sent nothing that could arrive
+    late: the aborted transaction's session goes on."""
+    failed, confirmed = _message(key=b"a"), _message(key=b"b")
+    events, _, sink, publisher = _transactional(failed, confirmed)
+    sink.reports = {failed.id: report}
+
+    publisher.run_once()
+
+    assert "abort" in events
+    assert "discard_producer" not in events
 
 
 def test_commit_to_ack_counts_a_transactional_record_once_its_transaction_committed() -> None:
