@@ -571,12 +571,24 @@ class KafkaSink:
             log.warning("closing the abandoned producer: %s", exc)
 
     def close(self) -> None:
-        """Close the producer, letting it finish what it already holds."""
-        producer, self._producer = self._producer, None
+        """Close the producer, letting it finish what it already holds (for a request
+        timeout); what is still unanswered then is dropped, as ``discard_producer`` drops it.
+
+        kafka-python's ``close(timeout)`` flushes first and raises when the flush
+        times out, before it closes anything: its sender thread would go on.
+        """
+        producer = self._producer
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=self._config.request_timeout_ms / 1000)
+        except kafka_errors.KafkaError as exc:
+            log.warning("closing the producer with records unanswered: %s", exc)
+            self.discard_producer()
+            return
+        self._producer = None
         self._guard = None
         self._transactional_id = None
-        if producer is not None:
-            producer.close(timeout=self._config.request_timeout_ms / 1000)
 
 
 def _send_refusal(exc: Exception) -> Exception:

@@ -13,8 +13,9 @@ producer id with no transaction open is refused.
 Here the request is held back on its way to the real broker (the producer's
 transport drops it and the test delivers it later, on a connection of its
 own), as a slow network would. The first test shows what leaving the
-session prevents; the second that the publisher's sink, left as the
-publisher leaves it, commits the message once.
+session prevents, and that the sink, left as the publisher leaves it,
+commits the message once; the last that a sink closed with such a request
+unanswered stops its producer.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kafka.net import transport
 
 from publisher.outcomes import TransactionEnd, may_land_after_abort
 from publisher.sink import KafkaSink, KafkaSinkConfig, OutgoingRecord
-from tests.support import create_topic, read_topic
+from tests.support import create_topic, read_topic, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -151,3 +152,25 @@ def test_a_late_request_of_an_aborted_transaction_is_committed_only_in_its_own_s
     committed = read_topic(kafka_bootstrap, held_back.topic, committed=True)
     copies = sum(1 for r in committed if r.outbox_id == message_id)
     assert copies == (1 if leaves_the_session else 2)
+
+
+def test_closing_with_a_request_unanswered_stops_the_producer(
+    kafka_bootstrap: str, held_back: HeldBack
+) -> None:
+    """kafka-python's close raises when its flush times out, before it closes anything: the
+    sink then drops what is unanswered, as a discarded producer does, and its sender stops."""
+    message_id = uuid.uuid4()
+    record = OutgoingRecord(message_id, held_back.topic, 0, b"k", b"v", [])
+    sink = KafkaSink(
+        KafkaSinkConfig(kafka_bootstrap, linger_ms=0, request_timeout_ms=1500, max_block_ms=5000)
+    )
+    sink.partition_count(held_back.topic)
+    sender = sink._producer._sender
+    held_back.holding = True
+    sink.send([record])
+    wait_until(lambda: held_back.requests, timeout=10, what="the produce request held back")
+
+    sink.close()
+
+    assert not sender.is_alive()
+    assert sink.transactional_id is None
