@@ -24,8 +24,11 @@ costs a thread only once it has fully arrived:
 * at most ``MAX_CONNECTIONS`` connections wait for their request at once; one
   more closes the oldest waiting connection, so idle connections cannot lock
   a probe out;
-* ``WORKERS`` threads answer the requests that arrived, in order; a response
-  the client does not read within ``REQUEST_TIMEOUT`` seconds is dropped.
+* a probe (a GET or HEAD of ``/healthz`` or ``/readyz``) is answered by the
+  accepting thread as soon as it has arrived, from memory;
+* ``WORKERS`` threads answer every other request that arrived (``/metrics``,
+  and whatever else came), in order; a response the client does not read
+  within ``REQUEST_TIMEOUT`` seconds is dropped.
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ log = logging.getLogger(__name__)
 #: How long one turn waits for sockets to be ready: the longest ``stop()`` waits for an idle
 #: server.
 POLL_SECONDS = 0.2
-#: Threads that answer ``/metrics`` (the outbox status gauges may wait on the database;
-#: probes are answered by the accepting thread, from memory, and never wait for them).
+#: Threads that answer every request but a probe (``/metrics``: the outbox status gauges
+#: may wait on the database; probes are answered by the accepting thread, from memory,
+#: and never wait for them).
 WORKERS = 4
 #: Connections that may wait for their request to arrive; one more closes the oldest.
 MAX_CONNECTIONS = 256
@@ -67,6 +71,8 @@ REQUEST_TIMEOUT = 5.0
 MAX_REQUEST_BYTES = 8192
 #: Requests that arrived and wait for a worker; more are answered 503 at once.
 QUEUE_SIZE = 64
+#: The paths of the probes, the only requests the accepting thread answers itself.
+PROBE_PATHS = ("/healthz", "/readyz")
 
 _BUSY = (
     b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
@@ -90,9 +96,9 @@ class EndpointServer(BackgroundService):
     The socket is bound in the constructor, so an address in use fails the
     start at once (``OSError``) instead of later in a thread nobody watches.
     ``port`` 0 binds a free port; ``address`` says which. A turn (``run_once``)
-    accepts and reads what is ready within ``POLL_SECONDS``; a request that
-    has fully arrived goes to a worker, or, before ``start()``, is answered
-    in the turn itself.
+    accepts and reads what is ready within ``POLL_SECONDS``; a probe that
+    has fully arrived is answered in the turn, any other request goes to a
+    worker, or, before ``start()``, is answered in the turn itself.
     """
 
     def __init__(
@@ -109,6 +115,9 @@ class EndpointServer(BackgroundService):
         # No wait between turns: each turn waits on the sockets instead.
         super().__init__(name="outbox-http", interval=0.0, join_timeout=5)
         self._handler = _handler(registry, health, request_timeout)
+        # The accepting thread's: it has no registry, so it can never be made to
+        # run a scrape, whatever a request looks like (_is_probe decides).
+        self._probe_handler = _handler(None, health, request_timeout)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=1024)
         self._listener.setblocking(False)
@@ -213,11 +222,14 @@ class EndpointServer(BackgroundService):
 
     def _dispatch(self, sock: socket.socket, address: tuple[Any, ...], request: bytes) -> None:
         sock.setblocking(True)
-        if not self._workers or not _is_metrics(request):
-            # A probe (or a 404) is answered here, at once: its answer is made
-            # from memory and small enough for the socket's buffer, so it never
-            # waits behind scrapes that read the database.
-            self._answer(sock, address, request)
+        if _is_probe(request):
+            # A probe is answered here, at once: its answer is made from memory
+            # and small enough for the socket's buffer, so it never waits behind
+            # scrapes that read the database.
+            self._answer(self._probe_handler, sock, address, request)
+            return
+        if not self._workers:  # before start(): the turn answers it
+            self._answer(self._handler, sock, address, request)
             return
         try:
             self._requests.put_nowait((sock, address, request))
@@ -237,21 +249,37 @@ class EndpointServer(BackgroundService):
 
     def _work(self) -> None:
         while (item := self._requests.get()) is not None:
-            self._answer(*item)
+            self._answer(self._handler, *item)
 
-    def _answer(self, sock: socket.socket, address: tuple[Any, ...], request: bytes) -> None:
+    def _answer(
+        self,
+        handler: type[BaseHTTPRequestHandler],
+        sock: socket.socket,
+        address: tuple[Any, ...],
+        request: bytes,
+    ) -> None:
         try:
-            self._handler((sock, request), address, None)  # type: ignore[arg-type]
+            handler((sock, request), address, None)  # type: ignore[arg-type]
         except Exception:  # a bug: log it, keep serving
             log.exception("HTTP endpoints: answering a request failed")
         finally:
             _close(sock)
 
 
-def _is_metrics(request: bytes) -> bool:
-    """Whether the request asks for ``/metrics`` (the only answer that may take long)."""
-    line = request.split(b"\n", 1)[0].split()
-    return len(line) >= 2 and line[1].split(b"?", 1)[0] == b"/metrics"
+def _is_probe(request: bytes) -> bool:
+    """Whether the request is a GET or HEAD of a probe's path, its request line read as
+    the handler reads it (``BaseHTTPRequestHandler.parse_request``: latin-1, split by
+    ``str.split``, which also splits on \\x1c-\\x1f, \\x85 and \\xa0).
+
+    Only such a request is answered on the accepting thread. Anything else goes
+    to the workers: a reading of the line that differed from the handler's
+    could otherwise have the accepting thread serve a scrape.
+    """
+    line = str(request.split(b"\n", 1)[0], "iso-8859-1").rstrip("\r\n")
+    words = line.split()
+    return (
+        len(words) == 3 and words[0] in ("GET", "HEAD") and words[1].split("?", 1)[0] in PROBE_PATHS
+    )
 
 
 def _close(sock: socket.socket) -> None:
@@ -261,8 +289,11 @@ def _close(sock: socket.socket) -> None:
 
 
 def _handler(
-    registry: CollectorRegistry, health: Health, timeout: float
+    registry: CollectorRegistry | None, health: Health, timeout: float
 ) -> type[BaseHTTPRequestHandler]:
+    """A handler class; without a ``registry`` (the accepting thread's) it never scrapes:
+    ``/metrics`` is answered 503."""
+
     class Handler(BaseHTTPRequestHandler):
         """Answers one request that has fully arrived; the answer is sent in one piece."""
 
@@ -288,7 +319,10 @@ def _handler(
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
+                if registry is None:  # the accepting thread's handler: never a scrape
+                    self.send_error(HTTPStatus.SERVICE_UNAVAILABLE)
+                else:
+                    self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
                 self._verdict(health.liveness())
             elif path == "/readyz":

@@ -9,8 +9,10 @@ hang:
   ``alive_seconds`` (a settle may retry through a database outage for a
   whole lease, so this is longer than the readiness limit);
 * ready (``/readyz``): the publisher is registered, its last database
-  contact and its last Kafka contact succeeded, it is not stopping, and the
-  loop turned within ``stall_seconds``.
+  contact and its last Kafka contact succeeded, its writes to Kafka have not
+  been failing for a lease (``Health.writes_failing``: brokers that answer
+  the probe's questions are not brokers that take its records), it is not
+  stopping, and the loop turned within ``stall_seconds``.
 
 Each check answers ``ok`` or a short code from ``CODES``, never an error's
 text: the endpoints are served without authentication, and what psycopg or
@@ -51,6 +53,7 @@ CODES = (
     "kafka_not_contacted",  # no Kafka contact yet (starting)
     "kafka_unavailable",  # the last Kafka contact failed
     "kafka_refused",  # the broker refuses this publisher itself (an ACL, its login)
+    "kafka_writes_failing",  # the broker answers, but no write went through for a lease
     "starting",  # the loop has not started yet
     "stopping",  # a stop was requested; the batch in hand is being finished
     "loop_stalled",  # the loop has not turned within its limit
@@ -80,6 +83,9 @@ class Contact:
         self.last_success_time: float | None = None
         #: Monotonic time of the first failure since the last success (None: none).
         self._failing_since: float | None = None
+        #: Whether more than the probe's questions failed in that run (for Kafka: a
+        #: write); a run of unanswered questions alone ends at the next answer.
+        self._serving_failed = False
 
     def succeeded(self) -> None:
         """The dependency answered."""
@@ -87,13 +93,14 @@ class Contact:
 
     def _reached(self, *, served: bool) -> None:
         """The dependency answered; ``served``: it did what was asked of it, which ends
-        a run of failures (``failing_for``)."""
+        a run of failures (``failing_for``). An answer alone ends only a run in which
+        nothing but questions went unanswered."""
         with self._lock:
             self.ok, self.error_type = True, None
             self.last_at = self._clock()
             self.last_success_time = self._wall()
-            if served:
-                self._failing_since = None
+            if served or not self._serving_failed:
+                self._failing_since, self._serving_failed = None, False
 
     def failed(self, error: BaseException | str) -> None:
         """The dependency did not answer (or answered that it cannot serve).
@@ -101,12 +108,23 @@ class Contact:
         ``error`` is the exception, or a description of the failure; only an
         exception's class name is kept.
         """
+        self._fail(error, serving=True)
+
+    def unanswered(self, error: BaseException) -> None:
+        """A question of the probe's went unanswered: as ``failed``, but an answer to the
+        next one ends the run (``failing_for``), unless something else failed in it
+        too. An idle publisher that lost its broker for a moment writes nothing that
+        could end the run."""
+        self._fail(error, serving=False)
+
+    def _fail(self, error: BaseException | str, *, serving: bool) -> None:
         kind = None if isinstance(error, str) else type(error).__name__
         with self._lock:
             self.ok, self.error_type = False, kind
             self.last_at = self._clock()
             if self._failing_since is None:
                 self._failing_since = self.last_at
+            self._serving_failed = self._serving_failed or serving
 
     def answered(self) -> None:
         """The dependency answered a question of the probe's (see ``KafkaContact``)."""
@@ -158,10 +176,10 @@ class KafkaContact(Contact):
         super().succeeded()
         self.refused = False
 
-    def failed(self, error: BaseException | str) -> None:
-        """As ``Contact.failed``; a refusal of the publisher itself is kept until a
+    def _fail(self, error: BaseException | str, *, serving: bool) -> None:
+        """As ``Contact._fail``; a refusal of the publisher itself is kept until a
         ``succeeded``."""
-        super().failed(error)
+        super()._fail(error, serving=serving)
         if not isinstance(error, str) and refuses_publisher(error):
             self.refused = True
 
@@ -198,11 +216,15 @@ class Health:
         *,
         stall_seconds: float,
         alive_seconds: float,
+        lease_seconds: float | None = None,
         clock: Clock = time.monotonic,
         wall: Clock = time.time,
     ) -> None:
         self.stall_seconds = stall_seconds
         self.alive_seconds = alive_seconds
+        #: How long writes to Kafka may fail before the publisher is not ready
+        #: (``writes_failing``); ``None``: however long.
+        self.lease_seconds = lease_seconds
         self._clock = clock
         self._wall = wall
         self.database = Contact("database", clock, wall)
@@ -244,6 +266,15 @@ class Health:
         """Whether the running loop has not turned for ``stall_seconds``."""
         return self._loop_problem(self.stall_seconds) is not None and self.loop == "running"
 
+    def writes_failing(self) -> bool:
+        """Whether this publisher's writes to Kafka have failed for a lease, none going
+        through (``KafkaContact.failing_for``): as long as the heartbeat lets them fail
+        before it steps the publisher back, when another publisher reaches Kafka
+        (``publisher.heartbeat``). Not ready then, whether another one does or not:
+        the brokers may answer the probe all along."""
+        failing, limit = self.kafka.failing_for(), self.lease_seconds
+        return failing is not None and limit is not None and failing >= limit
+
     def liveness(self) -> Verdict:
         """Whether the process and its loop are alive (a starting loop counts as alive)."""
         problem = self._loop_problem(self.alive_seconds)
@@ -254,7 +285,8 @@ class Health:
         checks = {
             "registered": "ok" if self.registered else "not_registered",
             "database": self.database.problem() or "ok",
-            "kafka": self.kafka.problem() or "ok",
+            "kafka": self.kafka.problem()
+            or ("kafka_writes_failing" if self.writes_failing() else "ok"),
         }
         if self.stopping:
             checks["loop"] = "stopping"
@@ -291,7 +323,7 @@ class KafkaProbe(BackgroundService):
         except Exception as exc:  # noqa: BLE001 - any failure means Kafka is not reachable
             if self._contact.ok is not False:
                 log.warning("Kafka is not reachable: %s: %s", type(exc).__name__, exc)
-            self._contact.failed(exc)
+            self._contact.unanswered(exc)
         else:
             self._contact.answered()
         return True

@@ -184,6 +184,8 @@ class Publisher:
             stall_seconds=config.stall_seconds,
             # A settle may retry through a database outage for a whole lease.
             alive_seconds=config.stall_seconds + config.lease_seconds,
+            # Writes to Kafka failing for a lease, as the heartbeat steps back on.
+            lease_seconds=config.lease_seconds,
             clock=clock,
         )
         if reconciler is not None:

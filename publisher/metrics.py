@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from outbox.queries import query
 from outbox.retention import PurgeReport
 from outbox.states import OPEN_STATES, State
 from outbox.status import read_open_status
@@ -358,13 +359,26 @@ class HealthCollector(Collector):
         h = self._health
         ready = GaugeMetricFamily(
             "outbox_ready",
-            "1 when /readyz answers 200 (registered, dependencies answer, loop moving), else 0.",
+            "1 when /readyz answers 200 (registered, dependencies answer, writes to Kafka go "
+            "through, loop moving), else 0.",
         )
         ready.add_metric([], 1 if h.readiness().ok else 0)
         kafka = GaugeMetricFamily(
-            "outbox_kafka_up", "1 if this publisher's last contact with Kafka succeeded, else 0."
+            "outbox_kafka_up",
+            "1 if this publisher's last contact with Kafka succeeded (the broker answered; "
+            "whether it takes writes: outbox_kafka_writes_failing_seconds), else 0.",
         )
         kafka.add_metric([], 1 if h.kafka.ok else 0)
+        # The brokers may answer every question of the probe while no write goes
+        # through (leaders out of reach): only this says so.
+        writes_failing = GaugeMetricFamily(
+            "outbox_kafka_writes_failing_seconds",
+            "Seconds since this publisher's contacts with Kafka began failing, counted until "
+            "a write goes through (0: none failing); at the lease, /readyz says "
+            "kafka_writes_failing and the heartbeat steps back if another publisher reaches "
+            "Kafka.",
+        )
+        writes_failing.add_metric([], h.kafka.failing_for() or 0.0)
         last = GaugeMetricFamily(
             "outbox_last_contact_success_timestamp_seconds",
             "When this publisher last talked to the dependency successfully (epoch seconds).",
@@ -379,7 +393,7 @@ class HealthCollector(Collector):
         )
         if h.last_turn_time is not None:
             turn.add_metric([], h.last_turn_time)
-        yield from (ready, kafka, last, turn)
+        yield from (ready, kafka, writes_failing, last, turn)
 
 
 class StatusReader:
@@ -388,6 +402,10 @@ class StatusReader:
     The connection is opened on the first scrape and reopened after a
     failure; it is short on patience (connect and statement timeouts of a few
     seconds) so that a slow database cannot hold a scrape for long.
+
+    Its settings are sent as statements once connected, not as the startup
+    parameter ``options``: that would replace the URL's own ``options`` (a
+    ``search_path``, say), and PgBouncer refuses it.
     """
 
     def __init__(
@@ -408,21 +426,32 @@ class StatusReader:
         if self._closed:
             raise psycopg.OperationalError("the publisher has stopped")
         if self._conn is None or self._conn.closed:
-            self._conn = connect(
-                self._conninfo,
-                autocommit=True,
-                connect_timeout=self._timeout,
-                application_name="outbox-publisher metrics",
-                # JIT off, as for outbox status: with a large backlog the
-                # counts' estimated cost passes jit_above_cost, and compiling
-                # them could take longer than the scrape may.
-                options=f"-c statement_timeout={self._timeout * 1000} -c jit=off",
-            )
+            self._conn = self._connect()
         try:
-            return self._read(self._conn)
+            with self._conn.transaction():
+                # The bound is local to the read's transaction (SET LOCAL).
+                self._conn.execute(query("statement_timeout"), {"timeout": f"{self._timeout}s"})
+                return self._read(self._conn)
         except psycopg.Error:
             self._conn.close()
             raise
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = connect(
+            self._conninfo,
+            autocommit=True,
+            connect_timeout=self._timeout,
+            application_name="outbox-publisher metrics",
+        )
+        try:
+            # JIT off, as for outbox status: with a large backlog the counts'
+            # estimated cost passes jit_above_cost, and compiling them could
+            # take longer than the scrape may.
+            conn.execute(query("jit_off"))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         """Close the connection for good."""

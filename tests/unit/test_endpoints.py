@@ -364,3 +364,68 @@ def test_a_scrape_during_a_read_is_answered_from_the_last_one() -> None:
     finally:
         release.set()
         slow.join(5)
+
+
+@pytest.mark.parametrize("separator", [b"\x1c", b"\x1d", b"\x1e", b"\x1f", b"\x85", b"\xa0"])
+def test_a_scrape_whose_request_line_splits_oddly_is_never_served_on_the_probe_thread(
+    separator: bytes,
+) -> None:
+    """The handler splits the request line on \\x1c-\\x1f, \\x85 and \\xa0 too (str.split of
+    latin-1): such a request for /metrics is a scrape, answered by a worker, and a slow
+    status read under it holds no probe."""
+    health = Health(stall_seconds=50, alive_seconds=110)
+    metrics = PublisherMetrics(health)
+    released = threading.Event()
+    readers: list[str] = []
+
+    def slow_read() -> list[Any]:
+        readers.append(threading.current_thread().name)
+        released.wait(10)
+        return []
+
+    metrics.watch_status(slow_read)
+    server = EndpointServer("127.0.0.1", 0, metrics.registry, health)
+    server.start()
+    host, port = server.address
+    answers: list[bytes] = []
+
+    def scrape() -> None:
+        with socket.create_connection(server.address, timeout=15) as client:
+            client.sendall(b"GET" + separator + b"/metrics HTTP/1.0\r\n\r\n")
+            answers.append(client.makefile("rb").read())
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        wait_until(lambda: readers, timeout=5, what="the status read")
+        started = time.monotonic()
+        assert _get(f"http://{host}:{port}/healthz")[0] == 200
+        assert time.monotonic() - started < 1.0
+    finally:
+        released.set()
+        scraper.join(timeout=15)
+        server.stop()
+    assert readers[0].startswith("outbox-http-worker-")
+    assert answers[0].startswith(b"HTTP/1.0 200 ")
+    assert b"outbox_database_up 1.0" in answers[0]
+
+
+def test_the_probe_thread_never_scrapes_even_if_a_scrape_were_taken_for_a_probe(
+    monkeypatch: pytest.MonkeyPatch,
+    served: tuple[str, Health, PublisherMetrics, EndpointServer],
+) -> None:
+    """The accepting thread's handler has no registry: a request for /metrics that reached
+    it (here every request is taken for a probe) is answered 503, and nothing is read."""
+    base, _, metrics, _ = served
+    reads: list[None] = []
+
+    def read() -> list[Any]:
+        reads.append(None)
+        return []
+
+    metrics.watch_status(read)
+    monkeypatch.setattr("publisher.endpoints._is_probe", lambda request: True)
+    status, content_type, _ = _get(base + "/metrics")
+    assert (status, content_type) == (503, "text/plain; charset=utf-8")
+    assert reads == []
+    assert _get(base + "/healthz")[0] == 200

@@ -7,6 +7,7 @@ import time
 from kafka import errors as kafka_errors
 
 from publisher.health import Contact, Health, KafkaProbe
+from publisher.metrics import PublisherMetrics
 from publisher.service import BackgroundService
 from tests.support import wait_until
 
@@ -22,7 +23,9 @@ class FakeClock:
 
 
 def _health(clock: FakeClock) -> Health:
-    return Health(stall_seconds=50, alive_seconds=110, clock=clock, wall=lambda: 1.7e9)
+    return Health(
+        stall_seconds=50, alive_seconds=110, lease_seconds=60, clock=clock, wall=lambda: 1.7e9
+    )
 
 
 def _ready(clock: FakeClock) -> Health:
@@ -228,3 +231,91 @@ def test_a_contact_says_how_long_it_has_failed_since_its_last_success() -> None:
     assert contact.failing_for() == 30.0
     contact.succeeded()
     assert contact.failing_for() is None
+
+
+def test_writes_failing_for_a_lease_make_it_not_ready_while_the_probe_hears_the_broker() -> None:
+    """The brokers answer the idle probe's questions, but no write has gone through for a
+    lease (the heartbeat's step-back limit): kafka_writes_failing, and the gauge says for
+    how long; outbox_kafka_up stays 1 (the broker answers). A write that goes through
+    ends it."""
+    clock = FakeClock()
+    health = _ready(clock)
+    metrics = PublisherMetrics(health)
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
+    assert sample("outbox_kafka_writes_failing_seconds") == 0
+    health.kafka.failed(kafka_errors.KafkaTimeoutError("Expiring 500 record(s) for orders-0"))
+    assert health.readiness().checks["kafka"] == "kafka_unavailable"
+    probe = KafkaProbe(health.kafka, lambda: None, interval=10)
+    clock.now += 12
+    health.loop_turned()
+    assert probe.run_once()  # describe_cluster answers
+    assert health.readiness().ok
+    clock.now += 47  # 59 s of failed writes
+    health.loop_turned()
+    assert health.readiness().ok
+    clock.now += 1
+    assert probe.run_once()
+    verdict = health.readiness()
+    assert not verdict.ok
+    assert verdict.checks["kafka"] == "kafka_writes_failing"
+    assert verdict.as_json()["failing"] == ["kafka"]
+    assert sample("outbox_ready") == 0
+    assert sample("outbox_kafka_up") == 1
+    assert sample("outbox_kafka_writes_failing_seconds") == 60
+    clock.now += 600
+    health.loop_turned()
+    assert probe.run_once()
+    assert health.readiness().checks["kafka"] == "kafka_writes_failing"
+    assert sample("outbox_kafka_writes_failing_seconds") == 660
+    health.kafka.succeeded()  # a record confirmed
+    assert health.readiness().ok
+    assert sample("outbox_kafka_writes_failing_seconds") == 0
+
+
+def test_an_idle_publisher_whose_probe_failed_once_is_ready_again_when_it_answers() -> None:
+    """A question of the idle probe that went unanswered (a broker restarting) starts no run
+    of failed writes: the next answer ends it, however long no write comes after; once a
+    write has failed in the run, an answer no longer ends it."""
+    clock = FakeClock()
+    health = _ready(clock)
+    answers = [kafka_errors.KafkaTimeoutError("no broker"), None, None]
+
+    def check() -> None:
+        error = answers.pop(0)
+        if error is not None:
+            raise error
+
+    probe = KafkaProbe(health.kafka, check, interval=10)
+    clock.now += 10
+    assert probe.run_once()
+    assert health.readiness().checks["kafka"] == "kafka_unavailable"
+    clock.now += 10
+    assert probe.run_once()
+    assert health.kafka.failing_for() is None
+    clock.now += 600
+    health.loop_turned()
+    assert probe.run_once()
+    assert health.readiness().ok
+    health.kafka.unanswered(kafka_errors.KafkaTimeoutError("no broker"))
+    health.kafka.failed(kafka_errors.KafkaTimeoutError("Expiring 1 record(s)"))
+    health.kafka.answered()
+    assert health.kafka.failing_for() == 0
+
+
+def test_without_a_lease_failing_writes_never_fail_readiness() -> None:
+    """A health record not told the lease (a test's, an embedding's) keeps readiness to the
+    last contact."""
+    clock = FakeClock()
+    health = Health(stall_seconds=50, alive_seconds=110, clock=clock)
+    health.registered = True
+    health.database.succeeded()
+    health.loop_started()
+    health.kafka.failed(kafka_errors.KafkaTimeoutError("Expiring 1 record(s)"))
+    health.kafka.answered()
+    clock.now += 3_600
+    health.loop_turned()
+    assert health.kafka.failing_for() == 3_600
+    assert health.readiness().ok
