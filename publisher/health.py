@@ -7,7 +7,8 @@ hang:
 
 * alive (``/healthz``): the loop has not ended and has turned within
   ``alive_seconds`` (a settle may retry through a database outage for a
-  whole lease, so this is longer than the readiness limit);
+  whole lease, so this is longer than the readiness limit), and no
+  background thread was ended by an error;
 * ready (``/readyz``): the publisher is registered, its last database
   contact and its last Kafka contact succeeded, its writes to Kafka have not
   been failing for a lease (``Health.writes_failing``: brokers that answer
@@ -276,9 +277,18 @@ class Health:
         return failing is not None and limit is not None and failing >= limit
 
     def liveness(self) -> Verdict:
-        """Whether the process and its loop are alive (a starting loop counts as alive)."""
+        """Whether the process and its loop are alive (a starting loop counts as alive), and
+        no background thread it relies on was ended by an error: without its heartbeat a
+        publisher's lanes lapse while its loop turns, and only a restart brings it back."""
         problem = self._loop_problem(self.alive_seconds)
-        return Verdict(problem is None, {"loop": problem or "ok"})
+        checks = {"loop": problem or "ok"}
+        if self.thread_died():
+            checks["threads"] = "thread_died"
+        return Verdict(all(v == "ok" for v in checks.values()), checks)
+
+    def thread_died(self) -> bool:
+        """Whether a background thread the publisher relies on was ended by an error."""
+        return any(t.died is not None for t in self.threads)
 
     def readiness(self) -> Verdict:
         """Whether the publisher can do its work now; each failing check gives its code."""
@@ -294,7 +304,7 @@ class Health:
             checks["loop"] = "starting"
         else:
             checks["loop"] = self._loop_problem(self.stall_seconds) or "ok"
-        if any(t.died is not None for t in self.threads):
+        if self.thread_died():
             checks["threads"] = "thread_died"
         return Verdict(all(v == "ok" for v in checks.values()), checks)
 

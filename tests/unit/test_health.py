@@ -46,9 +46,11 @@ def test_a_running_publisher_whose_dependencies_answered_is_ready() -> None:
     assert verdict.as_json()["failing"] == []
 
 
-def test_a_background_thread_ended_by_a_bug_makes_it_not_ready() -> None:
+def test_a_background_thread_ended_by_a_bug_makes_it_neither_ready_nor_alive() -> None:
     """The heartbeat (or another thread the publisher relies on) ended by an unexpected
-    error: its lanes would lapse while the loop turns, so the publisher is not ready."""
+    error: its lanes would lapse while the loop turns, so the publisher is not ready, and
+    not alive either: only a restart brings the thread back, and an orchestrator restarts
+    on liveness alone."""
 
     class Beating(BackgroundService):
         def run_once(self) -> None:
@@ -63,7 +65,9 @@ def test_a_background_thread_ended_by_a_bug_makes_it_not_ready() -> None:
     assert not verdict.ok
     assert verdict.checks["threads"] == "thread_died"
     assert verdict.as_json()["failing"] == ["threads"]
-    assert health.liveness().ok  # restarting would not be wrong, but the loop itself is fine
+    alive = health.liveness()
+    assert not alive.ok
+    assert alive.checks == {"loop": "ok", "threads": "thread_died"}
 
 
 def test_a_starting_publisher_is_alive_but_not_ready_and_says_why() -> None:
