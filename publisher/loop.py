@@ -670,8 +670,9 @@ class Publisher:
             return
         log.warning("batch %s: transaction %s on an error", ids, end.value)
 
-    def _leave_session(self) -> None:
-        """Discard the producer session after an error left batches marked under it open.
+    def _leave_session(self, why: str = "batches marked under it were left open") -> None:
+        """Discard the producer session after an error left batches marked under it open
+        (or recovery took one while it was sent).
 
         Recovery takes those batches once their leases expire, and the
         reconciler fences the transactional.id their marks recorded before it
@@ -682,7 +683,7 @@ class Publisher:
         session = self.sink.transactional_id
         if session is None:
             return  # no session was opened
-        log.warning("leaving producer session %s: batches marked under it were left open", session)
+        log.warning("leaving producer session %s: %s", session, why)
         self.sink.discard_producer()
 
     # --- claiming ahead ----------------------------------------------------------
@@ -1075,6 +1076,11 @@ class Publisher:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self._progress()
+        if self._transactional and any(
+            s.send_began and s.message_id not in changed for s in settlements
+        ):
+            # Sent, and its settle changed nothing: recovery took it meanwhile.
+            self._leave_session(f"batch {batch.id} marked under it was recovered while sent")
         self._count(batch, settlements, changed)
 
     def _count(self, batch: Batch, settlements: list[Settlement], changed: set[uuid.UUID]) -> None:

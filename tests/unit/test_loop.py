@@ -1287,6 +1287,29 @@ def test_a_committed_transaction_whose_settle_failed_for_a_lease_leaves_its_sess
     ]
 
 
+def test_a_transactional_batch_recovered_while_sent_leaves_its_session() -> None:
+    """Its settle changed nothing (recovery took the batch while it was sent): the reconciler
+    fences the session the mark recorded before it decides those messages, so the next
+    transaction begins in a new session instead of being fenced with it; a batch settled
+    whole keeps the session."""
+    taken, settled = _message(key=b"a"), _message(key=b"b")
+    events: list[str] = []
+    store = FakeStore(events, [_batch(taken), replace(_batch(settled), id=8)])
+    store.stale_ids = {taken.id}
+    publisher = _publisher(store, FakeSink(events), TRANSACTIONAL)
+
+    publisher.run_once()
+    assert [e for e in events if e in ("commit", "settle", "discard_producer")] == [
+        "commit",
+        "settle",
+        "discard_producer",
+    ]
+    events.clear()
+    publisher.run_once()
+    assert "discard_producer" not in events
+    assert "settle" in events
+
+
 def test_a_transaction_that_cannot_be_aborted_after_an_error_loses_its_session() -> None:
     """The abort itself fails (the broker went too): the session is discarded, so the next
     batch begins in a fresh one."""
