@@ -629,6 +629,11 @@ WITH expired AS (
       -- moving the fence would refuse its settle and put the message back to
       -- be sent again. One that began sending may have sent it: uncertain.
       AND (d.next_state = 'uncertain' OR m.id NOT IN (SELECT id FROM other_open))
+      -- Nor when something moved it since that batch's claim (a claim writes
+      -- no message row): a claim made on a stale snapshot named a message
+      -- another batch then took, sent and settled. It is that settle's now
+      -- (pending again waiting out a backoff, say), not this batch's.
+      AND (d.next_state = 'uncertain' OR m.updated_at <= d.claimed_at)
       AND m.id NOT IN (SELECT id FROM sent_elsewhere)
     RETURNING m.id, m.seq, m.attempts, m.fence, d.next_state, d.id AS batch_id,
               d.publisher_id, d.claimed_at, d.send_began_at, m.last_error AS reason

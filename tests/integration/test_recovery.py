@@ -258,6 +258,34 @@ def test_a_stale_claim_recovered_leaves_the_message_another_batch_is_sending(
         store.close()
 
 
+def test_a_stale_claim_recovered_leaves_a_message_another_batch_settled_since(
+    database_url: str,
+) -> None:
+    """The other batch sent the message and settled it back to pending, to wait out a
+    backoff, before the stale claim expired: recovery leaves the message as that settle
+    left it (no backoff skipped, no attempt of the stale claim's recorded)."""
+    message_id, sender, batch, stale, stale_batch = _sending_and_stale(database_url, 60)
+    [message] = batch.messages
+    failed = Settlement(
+        message.id, message.fence, State.PENDING, AttemptOutcome.FAILED, retry_after=600.0,
+        error="NotEnoughReplicasError", counts_as_failure=True,
+    )  # fmt: skip
+    assert sender.settle(batch, [failed]) == {message_id}
+    settled = "SELECT state, fence, attempts, failures, available_at FROM outbox.messages"
+    before = fetch_rows(database_url, settled)
+
+    recovery = claiming_store(database_url)
+    assert recovery.recover_expired_leases() == []
+
+    assert fetch_rows(
+        database_url, "SELECT settled_at IS NOT NULL FROM outbox.batches WHERE id = %s", stale_batch
+    ) == [(True,)]
+    assert fetch_rows(database_url, settled) == before
+    assert fetch_rows(database_url, "SELECT outcome FROM outbox.attempts") == [("failed",)]
+    for store in (sender, stale, recovery):
+        store.close()
+
+
 def test_a_message_two_expired_batches_name_is_uncertain_if_either_began_sending(
     database_url: str,
 ) -> None:
