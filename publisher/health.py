@@ -226,6 +226,10 @@ class Health:
         #: How long writes to Kafka may fail before the publisher is not ready
         #: (``writes_failing``); ``None``: however long.
         self.lease_seconds = lease_seconds
+        #: Whether the publisher has something to write: its last claim found a batch
+        #: (or it stepped back, and claims nothing for want of lanes). An idle one's
+        #: writes are not failing, however long ago the last one failed.
+        self.writes_wanted = True
         self._clock = clock
         self._wall = wall
         self.database = Contact("database", clock, wall)
@@ -267,13 +271,19 @@ class Health:
         """Whether the running loop has not turned for ``stall_seconds``."""
         return self._loop_problem(self.stall_seconds) is not None and self.loop == "running"
 
+    def writes_failing_for(self) -> float | None:
+        """Seconds this publisher's writes to Kafka have been failing, none going through
+        (``KafkaContact.failing_for``), while it has something to write
+        (``writes_wanted``); ``None`` when they are not."""
+        return self.kafka.failing_for() if self.writes_wanted else None
+
     def writes_failing(self) -> bool:
-        """Whether this publisher's writes to Kafka have failed for a lease, none going
-        through (``KafkaContact.failing_for``): as long as the heartbeat lets them fail
-        before it steps the publisher back, when another publisher reaches Kafka
-        (``publisher.heartbeat``). Not ready then, whether another one does or not:
-        the brokers may answer the probe all along."""
-        failing, limit = self.kafka.failing_for(), self.lease_seconds
+        """Whether this publisher's writes to Kafka have failed for a lease
+        (``writes_failing_for``): as long as the heartbeat lets them fail before it steps
+        the publisher back, when another publisher reaches Kafka (``publisher.heartbeat``).
+        Not ready then, whether another one does or not: the brokers may answer the probe
+        all along."""
+        failing, limit = self.writes_failing_for(), self.lease_seconds
         return failing is not None and limit is not None and failing >= limit
 
     def liveness(self) -> Verdict:

@@ -374,7 +374,12 @@ class Publisher:
         self._failure_class.clear()
         batch = self._take_claim()
         if batch is None:
+            # Nothing to write now: writes that failed before are not failing
+            # (/readyz). Stepped back, it claims nothing for want of lanes.
+            if self.heartbeat is None or not self.heartbeat.stepped_back:
+                self.health.writes_wanted = False
             return 0
+        self.health.writes_wanted = True
         self._hold(batch)
         in_hand = [batch]
         try:
@@ -1158,7 +1163,8 @@ class Publisher:
             try:
                 report = self.reconciler.run_once()
             except kafka_errors.KafkaError as exc:
-                self.health.kafka.failed(exc)
+                # A read, not a write: the next answer ends it (unanswered).
+                self.health.kafka.unanswered(exc)
                 log.warning("reconciliation postponed, Kafka unavailable: %s", exc)
             else:
                 self._count_reconciled(report)

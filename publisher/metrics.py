@@ -374,11 +374,12 @@ class HealthCollector(Collector):
         writes_failing = GaugeMetricFamily(
             "outbox_kafka_writes_failing_seconds",
             "Seconds since this publisher's contacts with Kafka began failing, counted until "
-            "a write goes through (0: none failing); at the lease, /readyz says "
+            "a write goes through, while it has something to write (0: none failing, or "
+            "idle); at the lease, /readyz says "
             "kafka_writes_failing and the heartbeat steps back if another publisher reaches "
             "Kafka.",
         )
-        writes_failing.add_metric([], h.kafka.failing_for() or 0.0)
+        writes_failing.add_metric([], h.writes_failing_for() or 0.0)
         last = GaugeMetricFamily(
             "outbox_last_contact_success_timestamp_seconds",
             "When this publisher last talked to the dependency successfully (epoch seconds).",

@@ -34,7 +34,7 @@ class BackgroundService(ABC):
     ``run_at_start``. An error a turn raises that is one of ``recoverable``
     goes to ``_failed`` and the next turn comes as usual; any other error
     ends the thread, as a bug should: it is logged with its traceback, kept
-    in ``died`` (the publisher's readiness fails on it), and
+    in ``died`` (the publisher's readiness and liveness fail on it), and
     ``threading.excepthook`` reports it too. A stopped service does not start
     again. Failures are logged as an outage (``publisher.logs.Outage``): once,
     then what changes and a reminder a minute, an ERROR after a minute, and

@@ -279,6 +279,25 @@ def test_writes_failing_for_a_lease_make_it_not_ready_while_the_probe_hears_the_
     assert sample("outbox_kafka_writes_failing_seconds") == 0
 
 
+def test_a_publisher_with_nothing_to_write_is_not_failing_writes() -> None:
+    """A write failed (its message became uncertain, and the reconciler decided it since),
+    then nothing more to write: however long no write comes, its writes are not failing,
+    and the gauge says 0. Something to write again, the run counts again."""
+    clock = FakeClock()
+    health = _ready(clock)
+    metrics = PublisherMetrics(health)
+    health.kafka.failed(kafka_errors.KafkaTimeoutError("Expiring 1 record(s) for orders-0"))
+    probe = KafkaProbe(health.kafka, lambda: None, interval=10)
+    health.writes_wanted = False  # its claims find nothing
+    clock.now += 600
+    health.loop_turned()
+    assert probe.run_once()
+    assert health.readiness().ok
+    assert metrics.registry.get_sample_value("outbox_kafka_writes_failing_seconds") == 0
+    health.writes_wanted = True
+    assert health.readiness().checks["kafka"] == "kafka_writes_failing"
+
+
 def test_an_idle_publisher_whose_probe_failed_once_is_ready_again_when_it_answers() -> None:
     """A question of the idle probe that went unanswered (a broker restarting) starts no run
     of failed writes: the next answer ends it, however long no write comes after; once a

@@ -1287,6 +1287,19 @@ def test_a_committed_transaction_whose_settle_failed_for_a_lease_leaves_its_sess
     ]
 
 
+def test_a_claim_that_finds_nothing_says_there_is_nothing_to_write() -> None:
+    """/readyz reports failing writes only while there is something to write: a claim that
+    finds nothing says so, one that finds a batch says there is again."""
+    events: list[str] = []
+    store = FakeStore(events, [None, _batch(_message())])
+    publisher = _publisher(store, FakeSink(events))
+    assert publisher.health.writes_wanted
+    publisher.run_once()
+    assert not publisher.health.writes_wanted
+    publisher.run_once()
+    assert publisher.health.writes_wanted
+
+
 def test_a_transactional_batch_recovered_while_sent_leaves_its_session() -> None:
     """Its settle changed nothing (recovery took the batch while it was sent): the reconciler
     fences the session the mark recorded before it decides those messages, so the next
