@@ -38,6 +38,7 @@ from outbox.operator import (
     Resolution,
     check_resolution,
     discard,
+    overtaken_words,
     resolve,
     retry,
     retry_quarantined,
@@ -595,10 +596,9 @@ def _retry(args: argparse.Namespace) -> int:
             print(f"{len(retried.moved)} quarantined message(s){scope} -> pending ({args.reason})")
             for message_id, later in retried.overtaken.items():
                 print(
-                    f"left quarantined: {message_id}: {len(later)} later message(s) of its "
-                    f"key may already be in Kafka (first {later[0].later_id}, "
-                    f"{later[0].later_state}); `outbox retry {message_id} --out-of-order` "
-                    "sends it after them, `outbox discard` drops it"
+                    f"left quarantined: {message_id}: {overtaken_words(later)}; "
+                    f"`outbox retry {message_id} --out-of-order` sends it after them, "
+                    "`outbox discard` drops it"
                 )
             return EXIT_ACTION_NEEDED if retried.overtaken else EXIT_OK
         try:

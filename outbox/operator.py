@@ -109,12 +109,33 @@ class _Seen:
 
 @dataclass(frozen=True, slots=True)
 class Overtaken:
-    """A later message of a stuck message's key that may already be in Kafka."""
+    """A later message of a stuck message's key that may already be in Kafka, or (no
+    ``later_id``, state ``unknown``) no telling: retention purged the record of the batch
+    that last sent the message, which said what was sent with it."""
 
     message_id: uuid.UUID
-    later_id: uuid.UUID
-    #: ``delivered`` (sent in the batch of the message's last send) or ``uncertain``.
+    later_id: uuid.UUID | None
+    #: ``delivered`` (sent in the batch of the message's last send), ``uncertain``, or
+    #: ``unknown``.
     later_state: str
+
+
+def overtaken_words(later: list[Overtaken]) -> str:
+    """What a list of ``overtaken_by`` says, in words: the first few later messages, or
+    that none can be told."""
+    known = [o for o in later if o.later_id is not None]
+    words = []
+    if known:
+        shown = ", ".join(f"{o.later_id} ({o.later_state})" for o in known[:5])
+        more = f" and {len(known) - 5} more" if len(known) > 5 else ""
+        words.append(f"later messages of its key may already be in Kafka: {shown}{more}")
+    if len(known) < len(later):
+        words.append(
+            "whether later messages of its key were sent with it cannot be told: retention "
+            "purged the record of the batch that last sent it (look for them in its "
+            "partition)"
+        )
+    return "; ".join(words)
 
 
 def operator_name() -> str:
@@ -386,8 +407,9 @@ def _decide(
             raise refusal
         if later and to_state is State.PENDING:
             # Let through by out_of_order: the decision says after which.
-            evidence["sent_after"] = [str(o.later_id) for o in later[:10]]
-            evidence["sent_after_count"] = len(later)
+            after = [str(o.later_id) for o in later if o.later_id is not None]
+            evidence["sent_after"] = after[:10]
+            evidence["sent_after_count"] = len(after)
 
     with conn.transaction():
         _require_read_committed(conn)
@@ -568,16 +590,13 @@ def _too_soon(message_id: uuid.UUID, seen: _Seen, to_state: State) -> BeforeWrit
 def _out_of_order(decision: _Decision, later: list[Overtaken]) -> OutOfOrder:
     """Refuse sending a message again after later messages of its key that may be in Kafka."""
     message_id = decision.message_id
-    shown = ", ".join(f"{o.later_id} ({o.later_state})" for o in later[:5])
-    more = f" and {len(later) - 5} more" if len(later) > 5 else ""
     command = (
         f"outbox resolve {message_id} --pending --out-of-order"
         if decision.action == "resolved"
         else f"outbox retry {message_id} --out-of-order"
     )
     return OutOfOrder(
-        f"message {message_id}: later messages of its key may already be in Kafka: {shown}"
-        f"{more} (delivered, or uncertain: sent with it). Sent again now, it would reach "
+        f"message {message_id}: {overtaken_words(later)}. Sent again now, it would reach "
         f"consumers after them. If its key's consumers can take that, `{command}` sends it "
         f"anyway; else discard it (`outbox discard {message_id} --reason TEXT`)"
     )

@@ -932,11 +932,33 @@ def test_retry_quarantined_leaves_a_message_a_later_one_of_its_key_overtook(
     assert result.returncode == 1, result.stderr
     assert result.stdout.startswith("1 quarantined message(s) -> pending (fixed)\n")
     assert (
-        f"left quarantined: {first}: 1 later message(s) of its key may already be in Kafka "
-        f"(first {second}, delivered); `outbox retry {first} --out-of-order`"
+        f"left quarantined: {first}: later messages of its key may already be in Kafka: "
+        f"{second} (delivered); `outbox retry {first} --out-of-order`"
     ) in result.stdout
     assert (_state(database_url, first)[0], _state(database_url, alone)[0]) == (
         "quarantined",
         "pending",
     )
     assert [d[0] for d in _decisions(database_url)] == [alone]
+
+
+def test_retry_of_a_message_whose_last_batch_was_purged_cannot_tell_what_overtook_it(
+    database_url: str,
+) -> None:
+    """Retention purged the record of the batch that last sent it (its evidence window
+    passed): what was sent with it cannot be told, so a retry is refused unless
+    --out-of-order, saying so, and retry --quarantined leaves it."""
+    first, _, _ = _overtaken_quarantined(database_url)
+    fetch_rows(database_url, "DELETE FROM outbox.batches RETURNING id")  # as purge_batches does
+    fence = _fence(database_url, first)
+
+    refused = _outbox("retry", str(first), "--fence", fence, url=database_url)
+
+    assert refused.returncode == 2, refused.stderr
+    assert "whether later messages of its key were sent with it cannot be told" in refused.stderr
+    left = _outbox("retry", "--quarantined", url=database_url)
+    assert left.returncode == 1, left.stderr
+    assert f"left quarantined: {first}: whether later messages" in left.stdout
+    retried = _outbox("retry", str(first), "--fence", fence, "--out-of-order", url=database_url)
+    assert retried.returncode == 0, retried.stderr
+    assert _state(database_url, first)[0] == "pending"
