@@ -1551,9 +1551,10 @@ SELECT EXISTS (SELECT 1 FROM outbox.lanes WHERE lease_expires_at > now()) AS run
 -- open states through their partial indexes (messages_pending_by_lane,
 -- messages_uncertain, messages_quarantined), in flight from the open
 -- batches, discarded through the decisions that discarded them
--- (decisions_discarded: a row set to 'discarded' by hand, with no decision,
--- is not listed), delivered in primary-key order (ids are UUIDv7: the first
--- are the earliest enqueued). Only the branch of the state asked for runs:
+-- (decisions_discarded, each message then by its key: a row set to
+-- 'discarded' by hand, with no decision, is not listed), delivered in
+-- primary-key order (ids are UUIDv7: the first are the earliest enqueued; of
+-- a topic with few delivered messages, that may read much of the table). Only the branch of the state asked for runs:
 -- the others' conditions are false once the parameters are known. Each
 -- branch is bounded first, so the view is read for those ids alone.
 WITH chosen AS MATERIALIZED (
@@ -1577,10 +1578,14 @@ WITH chosen AS MATERIALIZED (
        AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
      ORDER BY m.seq LIMIT %(limit)s)
     UNION ALL
-    (SELECT m.id FROM outbox.messages AS m
-     WHERE %(state)s = 'discarded' AND m.state = 'discarded'
-       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
-       AND m.id IN (SELECT d.message_id FROM outbox.decisions AS d WHERE d.to_state = 'discarded')
+    (SELECT m.id
+     FROM outbox.decisions AS d
+     CROSS JOIN LATERAL (
+         SELECT m.id, m.seq FROM outbox.messages AS m
+         WHERE m.id = d.message_id AND m.state COLLATE "C" = 'discarded'
+           AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+         OFFSET 0) AS m
+     WHERE %(state)s = 'discarded' AND d.to_state = 'discarded'
      ORDER BY m.seq LIMIT %(limit)s)
     UNION ALL
     (SELECT m.id FROM outbox.messages AS m
