@@ -1406,6 +1406,11 @@ SELECT set_config('idle_in_transaction_session_timeout', %(limit)s, false)
 -- jit_above_cost, where compiling them would take longer than running them.
 SET jit = off
 
+-- name: jit_off_local
+-- As jit_off, for the rest of the transaction only: a session that a pooler
+-- in transaction mode hands to another client keeps nothing of it.
+SELECT set_config('jit', 'off', true)
+
 -- name: open_status
 -- The open states per topic, for the metrics at every scrape: each is read
 -- through its own partial index (in flight: from the open batches), so the

@@ -427,32 +427,26 @@ class StatusReader:
         if self._closed:
             raise psycopg.OperationalError("the publisher has stopped")
         if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
+            self._conn = connect(
+                self._conninfo,
+                autocommit=True,
+                connect_timeout=self._timeout,
+                application_name="outbox-publisher metrics",
+            )
         try:
             with self._conn.transaction():
-                # The bound is local to the read's transaction (SET LOCAL).
+                # Both for the read's transaction only (a pooler in
+                # transaction mode may hand the session to another client):
+                # a bound on the read, and JIT off, as for outbox status (with
+                # a large backlog the counts' estimated cost passes
+                # jit_above_cost, and compiling them could take longer than
+                # the scrape may).
                 self._conn.execute(query("statement_timeout"), {"timeout": f"{self._timeout}s"})
+                self._conn.execute(query("jit_off_local"))
                 return self._read(self._conn)
         except psycopg.Error:
             self._conn.close()
             raise
-
-    def _connect(self) -> psycopg.Connection[Any]:
-        conn = connect(
-            self._conninfo,
-            autocommit=True,
-            connect_timeout=self._timeout,
-            application_name="outbox-publisher metrics",
-        )
-        try:
-            # JIT off, as for outbox status: with a large backlog the counts'
-            # estimated cost passes jit_above_cost, and compiling them could
-            # take longer than the scrape may.
-            conn.execute(query("jit_off"))
-        except BaseException:
-            conn.close()
-            raise
-        return conn
 
     def close(self) -> None:
         """Close the connection for good."""

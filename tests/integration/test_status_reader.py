@@ -42,6 +42,11 @@ def test_the_urls_options_are_kept_beside_the_readers_own_settings(
     reader = StatusReader(url_with_options, read=read, timeout_seconds=3)
     try:
         assert reader() == []
+        # Both only for the read's transaction: a pooler may hand the session on.
+        with psycopg.connect(url_with_options) as fresh:
+            defaults = {s: _show(fresh, s) for s in ("statement_timeout", "jit")}
+        assert reader._conn is not None
+        assert {s: _show(reader._conn, s) for s in defaults} == defaults
     finally:
         reader.close()
     assert seen == {"search_path": "metrics_custom,public", "statement_timeout": "3s", "jit": "off"}
