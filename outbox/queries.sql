@@ -517,6 +517,23 @@ WITH closed AS (
 )
 SELECT id FROM settled
 
+-- name: settled_by_batch
+-- Which of these messages a settle of this batch recorded. A settle retried
+-- after its first try's answer was lost (the connection dropped after the
+-- commit) finds the batch closed: by that try, or by recovery once the
+-- lease expired. Delivered ones by their row, unless recovery moved them
+-- first (the reconciler may have found them since); the others by the
+-- attempt the settle wrote (recovery writes 'recovered' ones).
+SELECT m.id FROM outbox.messages AS m
+WHERE m.id = ANY(%(ids)s::uuid[]) AND m.batch_id = %(batch_id)s AND m.state = 'delivered'
+  AND NOT EXISTS (SELECT 1 FROM outbox.attempts AS r
+                  WHERE r.message_id = m.id AND r.batch_id = %(batch_id)s
+                    AND r.outcome = 'recovered')
+UNION
+SELECT a.message_id FROM outbox.attempts AS a
+WHERE a.message_id = ANY(%(ids)s::uuid[]) AND a.batch_id = %(batch_id)s
+  AND a.outcome <> 'recovered'
+
 -- name: recover_expired_leases
 -- Close open batches whose lease expired and move their messages by the
 -- batch's evidence: nothing was sent (send_began_at is NULL) -> pending;

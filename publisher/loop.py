@@ -1052,15 +1052,26 @@ class Publisher:
         With none to record (no message of the batch was its to send any more
         when sending began: see ``_count_lost_before_sending``), the batch is
         still closed: open, it would hold its keys back until its lease ran out.
+        A retry that finds messages no longer its own asks which of them an
+        earlier try recorded (``settled_by``): its answer may have been lost
+        with the connection after it committed.
         """
         deadline = self._clock() + self.config.lease_seconds
         delay = 0.1
+        retried = False
         while True:
             try:
                 changed = self.store.settle(batch, settlements)
+                if retried and len(changed) < len(settlements):
+                    # A try before may have committed, its answer lost with
+                    # the connection: what it recorded is not a lease lost.
+                    changed |= self.store.settled_by(
+                        batch, [s.message_id for s in settlements if s.message_id not in changed]
+                    )
                 self.health.database.succeeded()
                 break
             except psycopg.OperationalError as exc:
+                retried = True
                 self.health.database.failed(exc)
                 self.store.close()
                 if self._clock() + delay > deadline:

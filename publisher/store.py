@@ -439,6 +439,15 @@ class PublisherStore:
         ).fetchall()
         return {row[0] for row in rows}
 
+    def settled_by(self, batch: Batch, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of ``ids`` a settle of ``batch`` recorded (``settled_by_batch``): for a
+        settle retried after its first try's answer was lost, which finds the batch
+        closed, by that try or by recovery."""
+        rows = self.conn.execute(
+            query("settled_by_batch"), {"batch_id": batch.id, "ids": list(ids)}
+        ).fetchall()
+        return {row[0] for row in rows}
+
     def settle_delivered(
         self, batch: Batch, partitions: Sequence[int], offsets: Sequence[int]
     ) -> set[uuid.UUID]:

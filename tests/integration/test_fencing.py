@@ -65,6 +65,49 @@ def test_claim_writes_one_batch_naming_its_messages_and_no_message_row(
     store.close()
 
 
+def test_a_settle_tried_again_after_its_answer_was_lost_finds_what_it_recorded(
+    database_url: str,
+) -> None:
+    """The first try committed and its answer was lost (the connection dropped): tried
+    again, the settle changes nothing, and settled_by names what the first recorded, the
+    delivered message by its row and the failed one by its attempt. After recovery,
+    settled_by names nothing of what recovery moved."""
+    with psycopg.connect(database_url) as conn:
+        delivered, failed = outbox.enqueue_many(
+            conn, [outbox.Message("t", b"1", key="a"), outbox.Message("t", b"2", key="b")]
+        )
+    store = claiming_store(database_url)
+    batch = store.claim(limit=10, lease_seconds=30)
+    assert batch is not None
+    store.mark_sending(batch, {"t": 3}, write_deadline_seconds=30.0)
+    fences = {m.id: m.fence for m in batch.messages}
+    settlements = [
+        Settlement(delivered, fences[delivered], State.DELIVERED, AttemptOutcome.DELIVERED,
+                   partition=0, offset=5),
+        Settlement(failed, fences[failed], State.PENDING, AttemptOutcome.FAILED,
+                   retry_after=5.0, error="NotEnoughReplicasError", counts_as_failure=True),
+    ]  # fmt: skip
+    assert store.settle(batch, settlements) == {delivered, failed}
+
+    assert store.settle(batch, settlements) == set()  # the retry
+    assert store.settled_by(batch, [delivered, failed]) == {delivered, failed}
+
+    with psycopg.connect(database_url) as conn:
+        again = outbox.enqueue(conn, "t", b"3", key="c")
+    lost = store.claim(limit=10, lease_seconds=30)
+    assert lost is not None
+    store.mark_sending(lost, {"t": 3}, write_deadline_seconds=0.0)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.batches SET lease_expires_at = now() - interval '1 second' "
+            "WHERE id = %s",
+            (lost.id,),
+        )
+    assert [r.message_id for r in store.recover_expired_leases()] == [again]
+    assert store.settled_by(lost, [again]) == set()
+    store.close()
+
+
 def test_settle_of_a_batch_recovery_closed_changes_nothing(database_url: str) -> None:
     """Once recovery took an expired batch back and it was claimed again, the old settle is void."""
     with psycopg.connect(database_url) as conn:

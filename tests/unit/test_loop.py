@@ -118,6 +118,12 @@ class FakeStore(PublisherStore):
         self.settled.append(list(settlements))
         return {s.message_id for s in settlements} - self.stale_ids
 
+    def settled_by(self, batch: Batch, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
+        """The ids of ``ids`` an earlier settle of the batch recorded (and not as stale)."""
+        self.events.append("settled_by")
+        recorded = {s.message_id for settled in self.settled for s in settled}
+        return (recorded - self.stale_ids) & set(ids)
+
     def mark_sending(
         self,
         batch: Batch,
@@ -1321,6 +1327,33 @@ def test_a_transactional_batch_recovered_while_sent_leaves_its_session() -> None
     publisher.run_once()
     assert "discard_producer" not in events
     assert "settle" in events
+
+
+def test_a_settle_whose_answer_was_lost_is_not_counted_as_a_lease_lost() -> None:
+    """The first try committed but its answer was lost with the connection; tried again, it
+    finds the batch closed: what the first recorded is delivered, not a lease lost, and a
+    transactional publisher keeps its session."""
+    message = _message()
+    events: list[str] = []
+    store = FakeStore(events, [_batch(message)])
+    record = store.settle
+
+    def settle(batch: Batch, settlements: Sequence[Settlement]) -> set[uuid.UUID]:
+        if len(store.settled) == 0:
+            record(batch, settlements)  # committed...
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        record(batch, settlements)
+        return set()  # ...and the retry finds the batch closed
+
+    store.settle = settle  # type: ignore[method-assign]
+    publisher = _publisher(store, FakeSink(events), TRANSACTIONAL)
+
+    publisher.run_once()
+
+    assert "settled_by" in events
+    assert publisher.totals.delivered == 1
+    assert publisher.totals.stale == 0
+    assert "discard_producer" not in events
 
 
 def test_a_transaction_that_cannot_be_aborted_after_an_error_loses_its_session() -> None:
