@@ -1591,12 +1591,7 @@ WITH chosen AS MATERIALIZED (
      ORDER BY m.seq LIMIT %(limit)s)
     UNION ALL
     (SELECT m.id FROM outbox.messages AS m
-     WHERE %(state)s = 'uncertain' AND m.state = 'uncertain'
-       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
-     ORDER BY m.seq LIMIT %(limit)s)
-    UNION ALL
-    (SELECT m.id FROM outbox.messages AS m
-     WHERE %(state)s = 'quarantined' AND m.state = 'quarantined'
+     WHERE %(state)s IN ('uncertain', 'quarantined') AND m.state = %(state)s::text
        AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
      ORDER BY m.seq LIMIT %(limit)s)
     UNION ALL

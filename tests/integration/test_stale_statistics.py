@@ -161,20 +161,22 @@ def test_recovery_and_settles_look_messages_up_by_key(
     assert {r.state.value for r in recovered} == {"uncertain"}
 
 
+def _backlog_made_uncertain(conn: psycopg.Connection[Any]) -> list[uuid.UUID]:
+    """A broker outage leaves the backlog uncertain; the statistics saw none."""
+    rows = conn.execute(
+        "UPDATE outbox.messages SET state = 'uncertain', fence = fence + 1 "
+        "WHERE state = 'pending' RETURNING id"
+    ).fetchall()
+    conn.commit()
+    return [row[0] for row in rows]
+
+
 def test_reconciliation_looks_uncertain_messages_up_by_key(
     stale_backlog: tuple[str, ClaimingStore],
 ) -> None:
     url, _ = stale_backlog
     with psycopg.connect(url) as conn:
-        # A broker outage leaves thousands uncertain; the statistics saw none.
-        ids = [
-            row[0]
-            for row in conn.execute(
-                "UPDATE outbox.messages SET state = 'uncertain', fence = fence + 1 "
-                "WHERE state = 'pending' RETURNING id"
-            ).fetchall()
-        ]
-        conn.commit()
+        ids = _backlog_made_uncertain(conn)
         decided = ids[:BATCH]
         _assert_looked_up_by_key(
             _plan(
@@ -202,14 +204,7 @@ def test_operator_decisions_look_later_messages_of_a_key_up_by_key(
     (27 s for 2,000 messages over 100,000 uncertain ones the statistics had not seen)."""
     url, _ = stale_backlog
     with psycopg.connect(url) as conn:
-        ids = [
-            row[0]
-            for row in conn.execute(
-                "UPDATE outbox.messages SET state = 'uncertain', fence = fence + 1 "
-                "WHERE state = 'pending' RETURNING id"
-            ).fetchall()
-        ]
-        conn.commit()
+        ids = _backlog_made_uncertain(conn)
         plan = _plan(conn, query("overtaken_by"), {"ids": ids[:BATCH]})
         _assert_looked_up_by_key(plan)
         assert "messages_pkey" in plan, plan
