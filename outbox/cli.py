@@ -433,10 +433,17 @@ def _warn_if_unfenced(args: argparse.Namespace) -> None:
 
 def _connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
     """A connection to ``url`` at READ COMMITTED, whatever the server's default (operator
-    decisions need it); an error opening it repeats nothing secret of the URL."""
+    decisions need it), resolving names in pg_catalog only (``pin_search_path``); an
+    error opening it repeats nothing secret of the URL."""
     with connect_errors_redacted(url):
         conn = psycopg.connect(url)
-    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    try:
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        conn.execute(query("pin_search_path"), (False,))
+        conn.commit()
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

@@ -242,6 +242,20 @@ def _apply(
     since it queues no lock on an outbox table meanwhile.
     """
     target.executor.fetchall(query("migration_lock"), (MIGRATION_LOCK_KEY,))
+    # Run as the schema owner: nothing of another role's may resolve a name
+    # (the caller's path comes back after, for what its transaction runs next).
+    [(path, _)] = target.executor.fetchall(query("pin_search_path"), (True,))
+    applied = _apply_pinned(target, migrations, only, lock_timeout)
+    target.executor.fetchall(query("restore_search_path"), (path,))
+    return applied
+
+
+def _apply_pinned(
+    target: _Target,
+    migrations: list[Migration],
+    only: int | None,
+    lock_timeout: float | None,
+) -> list[Migration]:
     if lock_timeout is not None:
         target.executor.fetchall(
             query("migration_lock_timeout"),

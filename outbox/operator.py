@@ -18,6 +18,10 @@ only at READ COMMITTED: after waiting for a claim, a decision must see the
 batch that claim committed, which a snapshot taken before the wait (REPEATABLE
 READ, SERIALIZABLE) would not.
 
+A decision resolves names in pg_catalog only, for its transaction
+(``pin_search_path``): a function another role planted in a schema on the
+caller's path (public) never runs as the operator.
+
 A decision names the fence it was made from (``outbox inspect`` and
 ``outbox list`` show it) and applies only while the message is still at that
 fence: every settle, recovery, reconciler and operator decision raises it, so
@@ -290,6 +294,7 @@ def retry_quarantined(
     if not reason.strip():
         raise ValueError("a decision needs a reason (--reason)")
     with conn.transaction():
+        conn.execute(query("pin_search_path"), (True,))
         ids = [row[0] for row in conn.execute(query("quarantined_ids"), {"topic": topic})]
         overtaken = overtaken_by(conn, ids)
         rows = conn.execute(
@@ -413,6 +418,7 @@ def _decide(
 
     with conn.transaction():
         _require_read_committed(conn)
+        conn.execute(query("pin_search_path"), (True,))
         # Checked first without a lock: a refused decision never holds one.
         refuse_unless_allowed()
         # Waits for a claim of the message's lane in progress (see resolve_lock).

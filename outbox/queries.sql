@@ -1271,6 +1271,24 @@ SELECT extract(epoch FROM least(
 -- or role sets (see publisher/connector.py).
 SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED
 
+-- name: pin_search_path
+-- Resolve every unqualified name in pg_catalog (then pg_temp), never in a
+-- schema another role can create objects in (public, say): PostgreSQL
+-- prefers the closest type match among every schema on the path, so a
+-- function planted there (a format(text, text, name) beside pg_catalog's
+-- variadic one) would otherwise run as whoever runs these statements, the
+-- operator, the publisher or, in a migration, the schema owner. Every outbox
+-- object is named with its schema. For the rest of the session, or (true)
+-- of the transaction. Returns the path it replaced (restore_search_path).
+SELECT current_setting('search_path') AS previous,
+       set_config('search_path', 'pg_catalog, pg_temp', %s)
+
+-- name: restore_search_path
+-- Put back, for the rest of the transaction, the path pin_search_path replaced
+-- (a migration run in the caller's transaction, as Alembic's: its own
+-- statements that follow find their tables on its path).
+SELECT set_config('search_path', %s, true)
+
 -- name: listen
 -- The waker's session of its own: woken by the commits that notify, which are
 -- those made while a publisher sleeps (see announce_sleep).

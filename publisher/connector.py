@@ -14,7 +14,10 @@ set for the server, the database or the role):
   READ COMMITTED gives each statement a fresh snapshot.
 
 So every connection the publisher opens comes from ``connect`` here, which
-pins the level for the whole session, transactions begun or implicit alike.
+pins the level for the whole session, transactions begun or implicit alike;
+and its search_path to pg_catalog (``pin_search_path``): a function another
+role planted in a schema on the default path (public) never runs as the
+publisher.
 
 Each also notices a database that went silent (a failover that leaves the
 old address unanswered) within about a minute, rather than the kernel's two
@@ -76,6 +79,7 @@ def connect(conninfo: str, *, autocommit: bool = False, **kwargs: Any) -> psycop
         conn = psycopg.connect(conninfo, autocommit=True, **{**defaults, **kwargs})
     try:
         conn.execute(query("pin_read_committed"))
+        conn.execute(query("pin_search_path"), (False,))
         conn.autocommit = autocommit
     except BaseException:
         conn.close()

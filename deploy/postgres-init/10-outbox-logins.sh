@@ -27,6 +27,9 @@ CREATE ROLE publisher LOGIN PASSWORD :'publisher_pw' IN ROLE outbox_publisher;
 CREATE ROLE operator LOGIN PASSWORD :'operator_pw' IN ROLE outbox_operator;
 ALTER DATABASE :"DBNAME" OWNER TO outbox_owner;
 ALTER SCHEMA public OWNER TO outbox_owner;
--- The demo keeps its orders in the public schema.
-GRANT CREATE ON SCHEMA public TO demo;
+-- The demo keeps its orders in a schema of its own, first on its search_path
+-- ("$user"): a service never gets CREATE on public, which is on every other
+-- login's path (the outbox's statements resolve names in pg_catalog only, but
+-- whatever else those logins run would not).
+CREATE SCHEMA demo AUTHORIZATION demo;
 SQL

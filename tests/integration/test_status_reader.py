@@ -23,20 +23,20 @@ def _show(conn: psycopg.Connection[Any], setting: str) -> object:
 
 @pytest.fixture
 def url_with_options(database_url: str) -> str:
-    """The test's database, with a search_path of its own in the URL's ``options``."""
-    options = quote("-c search_path=metrics_custom,public")
+    """The test's database, with a setting of its own in the URL's ``options``."""
+    options = quote("-c work_mem=7MB")
     return database_url + ("&" if "?" in database_url else "?") + f"options={options}"
 
 
 def test_the_urls_options_are_kept_beside_the_readers_own_settings(
     url_with_options: str,
 ) -> None:
-    """The URL's options (here a search_path) hold on the metrics connection, and so do the
+    """The URL's options (here work_mem) hold on the metrics connection, and so do the
     reader's statement timeout and JIT off; the status itself reads as ever."""
     seen: dict[str, object] = {}
 
     def read(conn: psycopg.Connection[Any]) -> list[Any]:
-        seen.update({s: _show(conn, s) for s in ("search_path", "statement_timeout", "jit")})
+        seen.update({s: _show(conn, s) for s in ("work_mem", "statement_timeout", "jit")})
         return []
 
     reader = StatusReader(url_with_options, read=read, timeout_seconds=3)
@@ -49,7 +49,7 @@ def test_the_urls_options_are_kept_beside_the_readers_own_settings(
         assert {s: _show(reader._conn, s) for s in defaults} == defaults
     finally:
         reader.close()
-    assert seen == {"search_path": "metrics_custom,public", "statement_timeout": "3s", "jit": "off"}
+    assert seen == {"work_mem": "7MB", "statement_timeout": "3s", "jit": "off"}
     default = StatusReader(url_with_options)
     try:
         assert list(default()) == []  # a migrated, empty outbox
