@@ -76,13 +76,14 @@ GRANT DELETE ON outbox.messages, outbox.attempts, outbox.decisions, outbox.batch
 -- each recorded in outbox.decisions. No DELETE: the
 -- decisions an operator took cannot be erased by one (retention is the
 -- publisher role's). A decision raises the message's fence, so that a second
--- decision made from the same reading is refused.
+-- decision made from the same reading is refused. resolve_lock locks the
+-- message's row and its lane's advisory lock, never the lane row: no grant
+-- on outbox.lanes beyond reading it (one would let an operator's open
+-- transaction lock the lanes every claim reads).
 GRANT USAGE ON SCHEMA outbox TO {operator};
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO {operator};
 GRANT UPDATE (state, fence, kafka_partition, kafka_offset, delivered_at, available_at,
               escalated_at, failures, last_error, held, updated_at)
     ON outbox.messages TO {operator};
--- Only so that resolve_lock can lock the message's lane FOR UPDATE.
-GRANT UPDATE (acquired_at) ON outbox.lanes TO {operator};
 GRANT INSERT (message_id, decided_by, from_state, to_state, reason, evidence)
     ON outbox.decisions TO {operator};

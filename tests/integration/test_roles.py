@@ -262,6 +262,8 @@ def test_the_operator_reads_and_decides_but_enqueues_deletes_and_purges_nothing(
         "UPDATE outbox.decisions SET reason = 'rewritten'",
         "UPDATE outbox.messages SET value = 'forged'",
         "UPDATE outbox.lanes SET owner = gen_random_uuid()",
+        # Held open, that lock would stall every claim (they read the lanes FOR SHARE).
+        "SELECT lane FROM outbox.lanes FOR UPDATE",
         "INSERT INTO outbox.batches (publisher_id) VALUES (gen_random_uuid())",
         "DROP TABLE outbox.decisions",
         "CREATE TABLE outbox.stolen (x int)",
