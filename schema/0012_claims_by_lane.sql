@@ -30,4 +30,24 @@
 CREATE INDEX IF NOT EXISTS messages_claimable_by_lane
     ON outbox.messages (lane, seq) WHERE state = 'pending';
 
+-- An index built beforehand with CREATE INDEX CONCURRENTLY that failed is
+-- left INVALID under its name, and IF NOT EXISTS would take it: the old
+-- index would then be dropped and every claim read the table (7 s a claim
+-- at 200,000 rows). Refused instead, naming what to do.
+DO $$
+DECLARE
+    broken text;
+BEGIN
+    SELECT string_agg(c.relname, ', ') INTO broken
+    FROM pg_index AS i
+    JOIN pg_class AS c ON c.oid = i.indexrelid
+    WHERE i.indrelid = 'outbox.messages'::regclass
+      AND c.relname IN ('messages_claimable_by_lane')
+      AND NOT (i.indisvalid AND i.indisready);
+    IF broken IS NOT NULL THEN
+        RAISE EXCEPTION 'index % of outbox.messages is INVALID (a CREATE INDEX CONCURRENTLY that failed)', broken
+            USING HINT = 'DROP INDEX CONCURRENTLY it, then build it again as docs/operations.md ("Upgrading a live database") says, or let this migration build it';
+    END IF;
+END $$;
+
 DROP INDEX outbox.messages_claimable;

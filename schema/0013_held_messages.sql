@@ -21,8 +21,9 @@
 --
 -- * held: the new column, false for every message that exists. Adding a
 --   column with a constant default rewrites nothing; it takes an ACCESS
---   EXCLUSIVE lock on outbox.messages for a moment (outbox migrate waits at
---   most --lock-timeout for it and tries again).
+--   EXCLUSIVE lock on outbox.messages (outbox migrate waits at most
+--   --lock-timeout for it and tries again), held to the migration's end:
+--   while the indexes below are built, every statement on the table waits.
 -- * messages_pending_by_lane replaces messages_claimable_by_lane: the same
 --   pending messages, by lane, then held, then seq. A claim reads one lane's
 --   messages that are not held in seq order, as before; reads that want every
@@ -35,9 +36,9 @@
 --   probes it as before; the pass finds the held messages of a key, and the
 --   last one held, through it. It holds no message that is simply pending.
 --
--- Each index build reads the whole table while enqueues wait (CREATE INDEX
--- holds a SHARE lock; a migration runs in a transaction, where CONCURRENTLY
--- cannot). On a large live table, add the column and build both first,
+-- Each index build reads the whole table while every statement on it waits
+-- (behind the column's lock; a migration runs in a transaction, where
+-- CONCURRENTLY cannot). On a large live table, add the column and build both first,
 -- without blocking writes, then migrate (docs/operations.md, "Upgrading"):
 --
 --   ALTER TABLE outbox.messages ADD COLUMN IF NOT EXISTS held boolean NOT NULL DEFAULT false;
@@ -61,6 +62,26 @@ CREATE INDEX IF NOT EXISTS messages_holding_keys
     WHERE key IS NOT NULL
       AND (state IN ('in_flight', 'uncertain', 'quarantined')
            OR (state = 'pending' AND (failures > 0 OR held)));
+
+-- An index built beforehand with CREATE INDEX CONCURRENTLY that failed is
+-- left INVALID under its name, and IF NOT EXISTS would take it: the old
+-- index would then be dropped and every claim read the table (7 s a claim
+-- at 200,000 rows). Refused instead, naming what to do.
+DO $$
+DECLARE
+    broken text;
+BEGIN
+    SELECT string_agg(c.relname, ', ') INTO broken
+    FROM pg_index AS i
+    JOIN pg_class AS c ON c.oid = i.indexrelid
+    WHERE i.indrelid = 'outbox.messages'::regclass
+      AND c.relname IN ('messages_pending_by_lane', 'messages_holding_keys')
+      AND NOT (i.indisvalid AND i.indisready);
+    IF broken IS NOT NULL THEN
+        RAISE EXCEPTION 'index % of outbox.messages is INVALID (a CREATE INDEX CONCURRENTLY that failed)', broken
+            USING HINT = 'DROP INDEX CONCURRENTLY it, then build it again as docs/operations.md ("Upgrading a live database") says, or let this migration build it';
+    END IF;
+END $$;
 
 DROP INDEX outbox.messages_claimable_by_lane;
 DROP INDEX outbox.messages_key_blockers;

@@ -333,3 +333,36 @@ def test_a_migration_that_fails_is_named_with_the_version_left(empty_database_ur
     result = run_outbox_cli(empty_database_url, "migrate")
     assert result.returncode == 2
     assert result.stderr.startswith("outbox: migration 0015_publisher_leases failed: ")
+
+
+def test_0013_refuses_an_index_built_beforehand_that_is_invalid(empty_database_url: str) -> None:
+    """An index built beforehand (operations.md: CREATE INDEX CONCURRENTLY) whose build
+    failed is left INVALID under its name: 0013 names it and applies nothing, rather than
+    take it and drop the index claims read."""
+    migrate(empty_database_url, target=12)
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute(
+            "ALTER TABLE outbox.messages ADD COLUMN IF NOT EXISTS held boolean NOT NULL "
+            "DEFAULT false"
+        )
+        conn.execute(
+            "CREATE INDEX messages_pending_by_lane ON outbox.messages (lane, held, seq) "
+            "WHERE state = 'pending'"
+        )
+        # What a CREATE INDEX CONCURRENTLY that failed leaves behind.
+        conn.execute(
+            "UPDATE pg_index SET indisvalid = false "
+            "WHERE indexrelid = 'outbox.messages_pending_by_lane'::regclass"
+        )
+    with pytest.raises(MigrationError) as refused:
+        migrate(empty_database_url, lock_attempts=1)
+    assert "index messages_pending_by_lane of outbox.messages is INVALID" in str(refused.value)
+    assert [v for v, _ in _recorded(empty_database_url)][-1] == 12
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute(
+            "SELECT to_regclass('outbox.messages_claimable_by_lane')"
+        ).fetchone() == ("outbox.messages_claimable_by_lane",)
+        conn.execute("DROP INDEX outbox.messages_pending_by_lane")
+        conn.commit()
+    migrate(empty_database_url)  # built by the migration this time
+    assert [v for v, _ in _recorded(empty_database_url)][-1] == load_migrations()[-1].version
