@@ -15,6 +15,7 @@ On an async connection, ``await outbox.aio.enqueue(conn, ...)`` does the same.
 from outbox import aio
 from outbox.enqueue import Message, Outbox, enqueue, enqueue_many
 from outbox.errors import (
+    ConnectionInUse,
     ConnectionNotSupported,
     HeadersTooLarge,
     IdempotencyKeyRace,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ID_HEADER",
+    "ConnectionInUse",
     "ConnectionNotSupported",
     "HeadersTooLarge",
     "IdempotencyKeyRace",

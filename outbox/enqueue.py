@@ -13,9 +13,10 @@ the two differ only in how a statement is executed (``_run``, ``_run_async``).
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Generator, Iterable, Sequence
-from contextlib import nullcontext
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from outbox.connection import (
     async_executor_for,
     executor_for,
 )
-from outbox.errors import IdempotencyKeyRace, InvalidMessage
+from outbox.errors import ConnectionInUse, IdempotencyKeyRace, InvalidMessage
 from outbox.intent import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_KEY_BYTES,
@@ -112,7 +113,8 @@ class Outbox:
         committing) intent, nothing is written and that intent's id is returned.
         """
         intent = self._intent(topic, value, key, headers, idempotency_key)
-        return _run(executor_for(conn), [intent])[0]
+        with _alone_on(conn):
+            return _run(executor_for(conn), [intent])[0]
 
     def enqueue_many(self, conn: object, messages: Iterable[Message]) -> list[uuid.UUID]:
         """Write many intents in one statement (per 5,000, or 64 MiB) and return their ids
@@ -123,8 +125,9 @@ class Outbox:
         intents or none (see ``_needs_savepoint``).
         """
         intents = self._intents(messages)
-        executor = executor_for(conn)  # checked even for no messages
-        return _run(executor, intents) if intents else []
+        with _alone_on(conn):
+            executor = executor_for(conn)  # checked even for no messages
+            return _run(executor, intents) if intents else []
 
     async def enqueue_async(
         self,
@@ -139,15 +142,17 @@ class Outbox:
         """``enqueue`` on a psycopg ``AsyncConnection`` or SQLAlchemy ``AsyncSession`` /
         ``AsyncConnection``."""
         intent = self._intent(topic, value, key, headers, idempotency_key)
-        return (await _run_async(await async_executor_for(conn), [intent]))[0]
+        with _alone_on(conn):
+            return (await _run_async(await async_executor_for(conn), [intent]))[0]
 
     async def enqueue_many_async(
         self, conn: object, messages: Iterable[Message]
     ) -> list[uuid.UUID]:
         """``enqueue_many`` on an async connection."""
         intents = self._intents(messages)
-        executor = await async_executor_for(conn)  # checked even for no messages
-        return await _run_async(executor, intents) if intents else []
+        with _alone_on(conn):
+            executor = await async_executor_for(conn)  # checked even for no messages
+            return await _run_async(executor, intents) if intents else []
 
     def _intent(
         self,
@@ -187,6 +192,33 @@ class Outbox:
             except InvalidMessage as exc:
                 raise type(exc)(f"message {index}: {exc}") from exc
         return intents
+
+
+#: The connections (the caller's objects, by id: each is held by its call) an
+#: enqueue runs on now, in any thread or task of the process.
+_busy: set[int] = set()
+_busy_lock = threading.Lock()
+
+
+@contextmanager
+def _alone_on(conn: object) -> Iterator[None]:
+    """Refuse a second enqueue on ``conn`` while one runs on it (another task sharing an
+    async connection, or another thread): they would share its transaction and its
+    savepoints, and one's rollback to its savepoint could undo the other's rows after
+    that one returned their ids, with nothing raised (its transaction still commits)."""
+    with _busy_lock:
+        if id(conn) in _busy:
+            raise ConnectionInUse(
+                "another enqueue is running on this connection (another task or thread): "
+                "one connection is one transaction; give each task or thread its own, or "
+                "await one enqueue before the next"
+            )
+        _busy.add(id(conn))
+    try:
+        yield
+    finally:
+        with _busy_lock:
+            _busy.discard(id(conn))
 
 
 # The insert is written once, as steps: a generator that yields each statement

@@ -65,6 +65,12 @@ class ConnectionNotSupported(OutboxError, TypeError):
     """``conn`` is not a SQLAlchemy Session/Connection or a psycopg 3 Connection."""
 
 
+class ConnectionInUse(OutboxError):
+    """Another enqueue runs on this connection now (another task or thread): the two would
+    share its transaction and savepoints, and one's rollback to its savepoint could undo
+    the other's rows after it returned their ids."""
+
+
 class NoOpenTransaction(OutboxError):
     """The connection would commit the intent on its own (autocommit, no transaction)."""
 

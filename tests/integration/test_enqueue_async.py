@@ -381,6 +381,34 @@ def test_enqueue_many_failing_in_its_second_statement_leaves_none_of_its_rows(
     assert _committed(database_url) == [(before, b"before"), (after, b"after")]
 
 
+@ASYNC_OPENERS
+def test_a_second_enqueue_on_a_connection_in_use_is_refused(
+    database_url: str, opener: AsyncOpener
+) -> None:
+    """Two tasks sharing a connection would share its transaction and savepoints: one's
+    rollback to its savepoint could undo the other's rows after it returned their ids,
+    and the transaction would still commit. The second call is refused while the first
+    runs (ConnectionInUse); the first's rows all commit, and the next call goes on."""
+    many = [outbox.Message("t", b"%d" % i) for i in range(MAX_ROWS_PER_STATEMENT + 1)]
+
+    async def test() -> list[uuid.UUID]:
+        async with opener(database_url) as conn:
+            first, second = await asyncio.gather(
+                outbox.aio.enqueue_many(conn, many),  # in a savepoint: two statements
+                outbox.aio.enqueue(conn, "t", b"second"),
+                return_exceptions=True,
+            )
+            assert isinstance(second, outbox.ConnectionInUse), second
+            assert "another enqueue is running on this connection" in str(second)
+            assert isinstance(first, list)
+            after = await outbox.aio.enqueue(conn, "t", b"after")
+            await conn.commit()
+        return [*first, after]
+
+    ids = asyncio.run(test())
+    assert [row[0] for row in _committed(database_url)] == ids
+
+
 #: The synchronous connection types, and the settings of a caller's psycopg
 #: connection that change how statements are sent.
 SYNC_OPENERS = pytest.mark.parametrize(
