@@ -366,8 +366,9 @@ def _insert_statement(intents: Sequence[Intent], *, lock: bool) -> Steps:
             ids.append(existing[i.idempotency_key])
         else:  # the conflicting row vanished between the two statements (a purge)
             raise IdempotencyKeyRace(
-                f"idempotency key {i.idempotency_key!r} conflicted but its message is gone; "
-                "retry the transaction"
+                f"idempotency key {i.idempotency_key!r} conflicted but its message is gone "
+                "(purged meanwhile); nothing of this call was written and the transaction is "
+                "usable: retry the enqueue"
             )
     return ids
 

@@ -175,7 +175,15 @@ def create_roles(conn: psycopg.Connection[Any], names: RoleNames | None = None) 
                 ) from None
             created.append(name)
         for statement in grant_statements(names):
-            conn.execute(statement)
+            try:
+                conn.execute(statement)
+            except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable) as exc:
+                # The grants name what the latest migration made (a column since 0024).
+                raise OutboxError(
+                    f"the grants name what this version's migrations make, and the database "
+                    f"lacks some of it ({exc.diag.message_primary}): run `outbox migrate` "
+                    "first"
+                ) from None
     return RolesReport(
         names=names,
         created=created,

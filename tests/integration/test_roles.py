@@ -516,3 +516,24 @@ def test_a_role_name_without_create_roles_is_refused(empty_database_url: str) ->
     assert result.stderr.startswith("usage: outbox migrate "), result.stderr  # the command's
     with psycopg.connect(empty_database_url) as conn:
         assert conn.execute("SELECT to_regnamespace('outbox')").fetchone() == (None,)
+
+
+def test_create_roles_on_a_schema_behind_this_version_says_to_migrate(
+    empty_database_url: str,
+) -> None:
+    """The grants name what the latest migration made (0024's column): on a database
+    behind, create_roles says to run outbox migrate, and grants nothing."""
+    url = empty_database_url
+    migrate(url, target=23)
+    suffix = uuid.uuid4().hex[:8]
+    names = RoleNames(f"w_{suffix}", f"p_{suffix}", f"o_{suffix}")
+    try:
+        with psycopg.connect(url) as conn, pytest.raises(OutboxError) as refused:
+            create_roles(conn, names)
+        assert "lacks some of it" in str(refused.value)
+        assert str(refused.value).endswith("run `outbox migrate` first")
+        assert fetch_rows(
+            url, "SELECT count(*) FROM pg_roles WHERE rolname = %s", names.writer
+        ) == [(0,)]
+    finally:
+        _drop_roles(url, list(names.by_purpose().values()))
