@@ -345,9 +345,11 @@ def _sqlalchemy_executor(conn: object, purpose: Purpose) -> Executor:
         raise _wrong_kind(conn, "an async connection", purpose.async_hint)
     if isinstance(conn, Session):
         with _bound(conn, purpose):
+            _refuse_async_view(conn, conn.get_bind().dialect, purpose)
             conn = conn.connection()
     if not isinstance(conn, Connection):
         raise _unsupported(conn)
+    _refuse_async_view(conn, conn.dialect, purpose)
     _check_valid(conn, purpose)
     _check_driver(
         conn.connection.driver_connection, conn.dialect.name, conn.dialect.driver, purpose
@@ -362,6 +364,17 @@ async def _async_sqlalchemy_executor(conn: object, purpose: Purpose) -> AsyncExe
 
     conn = unscoped(conn)
     if isinstance(conn, Session | Connection):
+        if isinstance(conn, Session):
+            with _bound(conn, purpose):
+                dialect = conn.get_bind().dialect
+        else:
+            dialect = conn.dialect
+        if getattr(dialect, "is_async", False):
+            raise _wrong_kind(
+                conn,
+                "the synchronous view of an async engine's session or connection",
+                "pass the AsyncSession or AsyncConnection itself",
+            )
         raise _wrong_kind(conn, "a synchronous connection", purpose.sync_hint)
     if isinstance(conn, AsyncSession):
         with _bound(conn, purpose):
@@ -372,6 +385,22 @@ async def _async_sqlalchemy_executor(conn: object, purpose: Purpose) -> AsyncExe
     raw = await conn.get_raw_connection()
     _check_driver(raw.driver_connection, conn.dialect.name, conn.dialect.driver, purpose)
     return AsyncSQLAlchemyExecutor(conn)
+
+
+def _refuse_async_view(conn: object, dialect: Any, purpose: Purpose) -> None:
+    """Refuse the synchronous view of an async engine's session or connection
+    (``AsyncSession.sync_session``, ``AsyncConnection.sync_connection``) outside
+    ``run_sync``: it cannot send a statement there, and SQLAlchemy would say so only as
+    ``MissingGreenlet`` (after trying, for a connection)."""
+    from sqlalchemy.util.concurrency import in_greenlet  # noqa: PLC0415
+
+    if getattr(dialect, "is_async", False) and not in_greenlet():
+        raise ConnectionNotSupported(
+            f"conn is the synchronous view of an async engine's session or connection "
+            f"({_kind(conn)}), which sends nothing outside run_sync: pass the AsyncSession "
+            f"or AsyncConnection itself and {purpose.async_hint.removeprefix('use ')}, or "
+            "call this inside `await session.run_sync(...)`"
+        )
 
 
 def unscoped(conn: object) -> object:

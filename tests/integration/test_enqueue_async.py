@@ -329,6 +329,33 @@ def test_a_connection_of_the_other_kind_is_refused_with_the_api_to_use(
     assert _committed(database_url) == []
 
 
+def test_the_synchronous_view_of_an_async_session_works_only_in_run_sync(
+    database_url: str,
+) -> None:
+    """AsyncSession.sync_session and AsyncConnection.sync_connection send nothing outside
+    run_sync: refused there, naming what to pass instead, by either call (SQLAlchemy said
+    only MissingGreenlet); inside run_sync, outbox.enqueue writes in the transaction."""
+
+    async def test() -> list[uuid.UUID]:
+        written = []
+        for opener in (_sa_session, _sa_connection):
+            async with opener(database_url) as conn:
+                view = conn.sync_session if hasattr(conn, "sync_session") else conn.sync_connection
+                with pytest.raises(outbox.ConnectionNotSupported, match="run_sync") as refused:
+                    outbox.enqueue(view, "orders", b"x")
+                assert "synchronous view of an async engine" in str(refused.value)
+                with pytest.raises(outbox.ConnectionNotSupported, match="itself"):
+                    await outbox.aio.enqueue(view, "orders", b"x")
+                written.append(
+                    await conn.run_sync(lambda sync: outbox.enqueue(sync, "orders", b"in"))
+                )
+                await conn.commit()
+        return written
+
+    written = asyncio.run(test())
+    assert [row[0] for row in _committed(database_url)] == written
+
+
 def test_an_async_connection_in_autocommit_or_a_failed_transaction_is_refused(
     database_url: str,
 ) -> None:
