@@ -18,7 +18,7 @@ objects, so a service on psycopg alone never loads it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
@@ -120,6 +120,21 @@ class AsyncExecutor(Protocol):
     def savepoint(self) -> AbstractAsyncContextManager[None]:
         """Roll back to a savepoint if the block raises (or is cancelled), release it if not."""
         ...
+
+
+@contextmanager
+def search_path_pinned(fetchall: Callable[[str, Params], Rows]) -> Iterator[None]:
+    """Resolve names in pg_catalog only (``pin_search_path``) for the block, in the
+    caller's transaction, and put the caller's path back after it: a savepoint's
+    release keeps a transaction-local setting, and the caller's next statements
+    would look for its tables in pg_catalog. After a database error the
+    transaction is failed, and rolling it (or the savepoint) back undoes the pin."""
+    [(previous, _)] = fetchall(query("pin_search_path"), (True,))
+    try:
+        yield
+    finally:
+        with suppress(Exception):  # a failed transaction refuses it; see above
+            fetchall(query("restore_search_path"), (previous,))
 
 
 class PsycopgExecutor:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 
-from outbox.connection import MIGRATE, Executor, executor_for, unscoped
+from outbox.connection import MIGRATE, Executor, executor_for, search_path_pinned, unscoped
 from outbox.errors import MigrationError, said
 from outbox.queries import query
 from outbox.redaction import connect_errors_redacted
@@ -244,10 +244,8 @@ def _apply(
     target.executor.fetchall(query("migration_lock"), (MIGRATION_LOCK_KEY,))
     # Run as the schema owner: nothing of another role's may resolve a name
     # (the caller's path comes back after, for what its transaction runs next).
-    [(path, _)] = target.executor.fetchall(query("pin_search_path"), (True,))
-    applied = _apply_pinned(target, migrations, only, lock_timeout)
-    target.executor.fetchall(query("restore_search_path"), (path,))
-    return applied
+    with search_path_pinned(target.executor.fetchall):
+        return _apply_pinned(target, migrations, only, lock_timeout)
 
 
 def _apply_pinned(

@@ -29,7 +29,9 @@ RETURNING id
 -- so that two such calls never wait on each other in a cycle; its
 -- insert_messages statements then lock nothing more.
 WITH key_to_lock AS (
-    SELECT topic, key FROM unnest(%(topics)s::text[], %(keys)s::bytea[]) AS k(topic, key)
+    SELECT topic, key
+    FROM ROWS FROM (pg_catalog.unnest(%(topics)s::text[]), pg_catalog.unnest(%(keys)s::bytea[]))
+        AS k(topic, key)
 ){take_key_locks}
 SELECT setting FROM key_locks_held
 
@@ -72,8 +74,14 @@ SELECT setting FROM key_locks_held
 -- this statement (NULL once it holds the lock on all keys); new: this
 -- statement's keys not among them, in order; after: the setting once this
 -- statement's locks are taken ('*': the lock on all keys).
+-- Every function is named in pg_catalog: these statements run on the
+-- service's connection, on its search_path, where a function another service
+-- created in public with a closer match (a hashtextextended(text, integer),
+-- an unnest(bigint[]) beside the polymorphic one) would run as this service,
+-- and could break its keys' order.
 , lock_key AS MATERIALIZED (
-    SELECT DISTINCT hashtextextended(topic || E'\n' || encode(key, 'hex'), 0) AS lock_key
+    SELECT DISTINCT pg_catalog.hashtextextended(topic || E'\n' || pg_catalog.encode(key, 'hex'),
+                                                0) AS lock_key
     FROM key_to_lock
     WHERE key IS NOT NULL
 ), key_lock_budget AS MATERIALIZED (
@@ -83,30 +91,35 @@ SELECT setting FROM key_locks_held
                  ORDER BY lock_key) AS new
     FROM (SELECT CASE setting WHEN '*' THEN NULL
                               WHEN '' THEN ARRAY[]::bigint[]
-                              ELSE string_to_array(setting, ',')::bigint[] END AS taken
-          FROM (SELECT coalesce(current_setting('outbox.enqueue_key_locks', true), '')
-                       AS setting) AS s) AS h
+                              ELSE pg_catalog.string_to_array(setting, ',')::bigint[] END AS taken
+          FROM (SELECT coalesce(pg_catalog.current_setting('outbox.enqueue_key_locks', true),
+                                '') AS setting) AS s) AS h
 ), all_keys_locked AS MATERIALIZED (
     SELECT taken, new, after,
            CASE WHEN taken IS NOT NULL AND after = '*'
-                THEN pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
+                THEN pg_catalog.pg_advisory_xact_lock('outbox.messages'::regclass::oid::integer, 0)
            END AS locked
     FROM (SELECT taken, new,
                  CASE WHEN taken IS NULL THEN '*'
-                      WHEN cardinality(taken) + cardinality(new)
-                           > least(current_setting('max_locks_per_transaction')::integer, 1024)
+                      WHEN pg_catalog.cardinality(taken) + pg_catalog.cardinality(new)
+                           > least(pg_catalog.current_setting('max_locks_per_transaction')
+                                       ::integer, 1024)
                       THEN '*'
-                      ELSE array_to_string(taken || new, ',') END AS after
+                      ELSE pg_catalog.array_to_string(pg_catalog.array_cat(taken, new), ',')
+                 END AS after
           FROM key_lock_budget) AS budget
 ), key_locks_held AS MATERIALIZED (
-    SELECT set_config('outbox.enqueue_key_locks', a.after, true) AS setting,
-           CASE WHEN cardinality(a.taken) = 0 AND cardinality(a.new) > 0 AND a.after <> '*'
+    SELECT pg_catalog.set_config('outbox.enqueue_key_locks', a.after, true) AS setting,
+           CASE WHEN pg_catalog.cardinality(a.taken) = 0 AND pg_catalog.cardinality(a.new) > 0
+                     AND a.after <> '*'
                      AND keys_locked.locks >= 0
-                THEN pg_advisory_xact_lock_shared('outbox.messages'::regclass::oid::integer, 0)
+                THEN pg_catalog.pg_advisory_xact_lock_shared(
+                         'outbox.messages'::regclass::oid::integer, 0)
            END AS shared_locked
     FROM all_keys_locked AS a,
-         (SELECT count(pg_advisory_xact_lock(k.lock_key)) AS locks
-          FROM (SELECT unnest(new) AS lock_key FROM all_keys_locked WHERE after <> '*') AS k)
+         (SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock(k.lock_key)) AS locks
+          FROM (SELECT pg_catalog.unnest(new) AS lock_key
+                FROM all_keys_locked WHERE after <> '*') AS k)
          AS keys_locked
 )
 

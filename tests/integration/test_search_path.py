@@ -20,7 +20,8 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.migrations import migrate
+from outbox.errors import MigrationError
+from outbox.migrations import migrate, migrate_connection
 from outbox.operator import retry
 from outbox.states import State
 from publisher.outcomes import AttemptOutcome
@@ -46,6 +47,20 @@ $$;
 CREATE FUNCTION public.quote_ident(name) RETURNS text LANGUAGE sql AS $$
     INSERT INTO public.planted_calls VALUES ('quote_ident(name)');
     SELECT pg_catalog.quote_ident($1::text)
+$$;
+-- And for the writer's own statement (the key locks of an enqueue), which runs on
+-- a service's connection: one service's planted function would run as another.
+CREATE FUNCTION public.hashtextextended(text, integer) RETURNS bigint LANGUAGE sql AS $$
+    INSERT INTO public.planted_calls VALUES ('hashtextextended(text, integer)');
+    SELECT pg_catalog.hashtextextended($1, $2)
+$$;
+CREATE FUNCTION public.unnest(bigint[]) RETURNS SETOF bigint LANGUAGE sql AS $$
+    INSERT INTO public.planted_calls VALUES ('unnest(bigint[])');
+    SELECT pg_catalog.unnest($1)
+$$;
+CREATE FUNCTION public.cardinality(bigint[]) RETURNS integer LANGUAGE sql AS $$
+    INSERT INTO public.planted_calls VALUES ('cardinality(bigint[])');
+    SELECT pg_catalog.cardinality($1)
 $$;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO PUBLIC;
 """
@@ -79,26 +94,45 @@ def _quarantined(database_url: str) -> uuid.UUID:
 
 
 def test_the_planted_functions_run_when_the_path_reaches_them(database_url: str) -> None:
-    """What the other tests rely on: a call the outbox makes, on the default search_path,
-    runs the planted function."""
+    """What the other tests rely on: calls the outbox makes, on the default search_path,
+    run the planted functions."""
     _plant(database_url)
     with psycopg.connect(database_url) as conn:
         conn.execute("SELECT format('%s (database user %s)', 'x'::text, session_user)")
-    assert _planted_calls(database_url) == ["format(text, text, name)"]
+        conn.execute("SELECT hashtextextended('k', 0), unnest(ARRAY[1]::bigint[])")
+    assert set(_planted_calls(database_url)) == {
+        "format(text, text, name)",
+        "hashtextextended(text, integer)",
+        "unnest(bigint[])",
+    }
 
 
 def test_an_operators_decision_runs_no_planted_function(database_url: str) -> None:
-    """By the command, and by the library on a connection of the caller's own."""
+    """By the command, and by the library on a connection of the caller's own, in the
+    caller's transaction: whose search_path is its own again after the decision."""
     first, second = _quarantined(database_url), _quarantined(database_url)
     _plant(database_url)
 
     result = run_outbox_cli(database_url, "retry", str(first), "--reason", "fixed")
     assert result.returncode == 0, result.stderr
     with psycopg.connect(database_url) as conn:
+        path = conn.execute("SHOW search_path").fetchone()
         retry(conn, second, "fixed")
+        assert conn.execute("SHOW search_path").fetchone() == path
+        conn.execute("SELECT count(*) FROM planted_calls")  # the caller's names still resolve
 
     assert _planted_calls(database_url) == []
     assert fetch_rows(database_url, "SELECT count(*) FROM outbox.decisions") == [(2,)]
+
+
+def test_an_enqueue_runs_no_planted_function(database_url: str) -> None:
+    """The key locks of an enqueue run on the service's connection and path: every function
+    they call is named in pg_catalog."""
+    _plant(database_url)
+    with psycopg.connect(database_url) as conn:
+        outbox.enqueue(conn, "t", b"v", key="k")
+        outbox.enqueue_many(conn, [outbox.Message("t", b"v", key=f"k{i}") for i in range(3)])
+    assert _planted_calls(database_url) == []
 
 
 def test_the_publishers_recovery_runs_no_planted_function(database_url: str) -> None:
@@ -117,6 +151,19 @@ def test_the_publishers_recovery_runs_no_planted_function(database_url: str) -> 
     finally:
         store.close()
     assert _planted_calls(database_url) == []
+
+
+def test_a_migration_refused_in_the_callers_transaction_gives_its_path_back(
+    database_url: str,
+) -> None:
+    """A database newer than this library: migrate_connection refuses, and the caller's
+    transaction, still usable, resolves names on its own path again."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute("INSERT INTO outbox.schema_migrations (version, name) VALUES (999, 'x')")
+        path = conn.execute("SHOW search_path").fetchone()
+        with pytest.raises(MigrationError, match="newer than this library"):
+            migrate_connection(conn)
+        assert conn.execute("SHOW search_path").fetchone() == path
 
 
 def test_a_migration_runs_no_planted_function(empty_database_url: str) -> None:
