@@ -101,6 +101,12 @@ MIGRATE = Purpose(
 class Executor(Protocol):
     """Runs statements in the caller's transaction."""
 
+    @property
+    def driver(self) -> object:
+        """The psycopg connection beneath, whatever wraps it (one transaction, shared by
+        every session, connection or proxy over it)."""
+        ...
+
     def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute ``sql`` (which returns rows) with psycopg-style placeholders; all its rows."""
         ...
@@ -112,6 +118,11 @@ class Executor(Protocol):
 
 class AsyncExecutor(Protocol):
     """Runs statements in the caller's transaction, on an async connection."""
+
+    @property
+    def driver(self) -> object:
+        """As ``Executor.driver``."""
+        ...
 
     async def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute ``sql`` with psycopg-style placeholders and return all rows."""
@@ -149,6 +160,7 @@ class PsycopgExecutor:
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._conn = conn
+        self.driver = conn
 
     def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute a statement that returns rows and return them all, as tuples."""
@@ -194,6 +206,7 @@ class AsyncPsycopgExecutor:
 
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self._conn = conn
+        self.driver = conn
 
     async def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute a statement that returns rows and return them all, as tuples."""
@@ -245,6 +258,7 @@ class SQLAlchemyExecutor:
 
     def __init__(self, conn: SAConnection) -> None:
         self._conn = conn
+        self.driver = conn.connection.driver_connection
 
     def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute with ``exec_driver_sql``: the SQL goes to psycopg unchanged."""
@@ -261,8 +275,9 @@ class SQLAlchemyExecutor:
 class AsyncSQLAlchemyExecutor:
     """Executes through a SQLAlchemy async connection so its transaction tracks the write."""
 
-    def __init__(self, conn: SAAsyncConnection) -> None:
+    def __init__(self, conn: SAAsyncConnection, driver: object) -> None:
         self._conn = conn
+        self.driver = driver
 
     async def fetchall(self, sql: str, params: Params) -> Rows:
         """Execute with ``exec_driver_sql``: the SQL goes to psycopg unchanged."""
@@ -399,7 +414,7 @@ async def _async_sqlalchemy_executor(conn: object, purpose: Purpose) -> AsyncExe
     _check_valid(conn, purpose)
     raw = await conn.get_raw_connection()
     _check_driver(raw.driver_connection, conn.dialect.name, conn.dialect.driver, purpose)
-    return AsyncSQLAlchemyExecutor(conn)
+    return AsyncSQLAlchemyExecutor(conn, raw.driver_connection)
 
 
 def _refuse_async_view(conn: object, dialect: Any, purpose: Purpose) -> None:

@@ -113,8 +113,7 @@ class Outbox:
         committing) intent, nothing is written and that intent's id is returned.
         """
         intent = self._intent(topic, value, key, headers, idempotency_key)
-        with _alone_on(conn):
-            return _run(executor_for(conn), [intent])[0]
+        return _run(executor_for(conn), [intent])[0]
 
     def enqueue_many(self, conn: object, messages: Iterable[Message]) -> list[uuid.UUID]:
         """Write many intents in one statement (per 5,000, or 64 MiB) and return their ids
@@ -125,9 +124,8 @@ class Outbox:
         intents or none (see ``_needs_savepoint``).
         """
         intents = self._intents(messages)
-        with _alone_on(conn):
-            executor = executor_for(conn)  # checked even for no messages
-            return _run(executor, intents) if intents else []
+        executor = executor_for(conn)  # checked even for no messages
+        return _run(executor, intents) if intents else []
 
     async def enqueue_async(
         self,
@@ -142,17 +140,15 @@ class Outbox:
         """``enqueue`` on a psycopg ``AsyncConnection`` or SQLAlchemy ``AsyncSession`` /
         ``AsyncConnection``."""
         intent = self._intent(topic, value, key, headers, idempotency_key)
-        with _alone_on(conn):
-            return (await _run_async(await async_executor_for(conn), [intent]))[0]
+        return (await _run_async(await async_executor_for(conn), [intent]))[0]
 
     async def enqueue_many_async(
         self, conn: object, messages: Iterable[Message]
     ) -> list[uuid.UUID]:
         """``enqueue_many`` on an async connection."""
         intents = self._intents(messages)
-        with _alone_on(conn):
-            executor = await async_executor_for(conn)  # checked even for no messages
-            return await _run_async(executor, intents) if intents else []
+        executor = await async_executor_for(conn)  # checked even for no messages
+        return await _run_async(executor, intents) if intents else []
 
     def _intent(
         self,
@@ -194,31 +190,34 @@ class Outbox:
         return intents
 
 
-#: The connections (the caller's objects, by id: each is held by its call) an
-#: enqueue runs on now, in any thread or task of the process.
-_busy: set[int] = set()
+#: The psycopg connections an enqueue runs on now, in any thread or task of the
+#: process (each held by its call until it ends).
+_busy: set[object] = set()
 _busy_lock = threading.Lock()
 
 
 @contextmanager
-def _alone_on(conn: object) -> Iterator[None]:
-    """Refuse a second enqueue on ``conn`` while one runs on it (another task sharing an
-    async connection, or another thread): they would share its transaction and its
+def _alone_on(driver: object) -> Iterator[None]:
+    """Refuse a second enqueue on the psycopg connection ``driver`` while one runs on it
+    (another task sharing an async connection, another thread, or another session or
+    connection object over the same one): they would share its transaction and its
     savepoints, and one's rollback to its savepoint could undo the other's rows after
-    that one returned their ids, with nothing raised (its transaction still commits)."""
+    that one returned their ids, with nothing raised (its transaction still commits).
+    Keyed by the driver's connection, not the caller's object: a scoped_session is one
+    object that gives each thread or task a session of its own."""
     with _busy_lock:
-        if id(conn) in _busy:
+        if driver in _busy:
             raise ConnectionInUse(
                 "another enqueue is running on this connection (another task or thread): "
                 "one connection is one transaction; give each task or thread its own, or "
                 "await one enqueue before the next"
             )
-        _busy.add(id(conn))
+        _busy.add(driver)
     try:
         yield
     finally:
         with _busy_lock:
-            _busy.discard(id(conn))
+            _busy.discard(driver)
 
 
 # The insert is written once, as steps: a generator that yields each statement
@@ -232,7 +231,10 @@ def _run(executor: Executor, intents: Sequence[Intent]) -> list[uuid.UUID]:
     """Run the insert steps of ``intents``, in a savepoint when they need one."""
     statements = _statements(intents)
     steps = _insert(statements)
-    with executor.savepoint() if _needs_savepoint(statements) else nullcontext():
+    with (
+        _alone_on(executor.driver),
+        executor.savepoint() if _needs_savepoint(statements) else nullcontext(),
+    ):
         statement = next(steps)
         while True:
             rows = executor.fetchall(*statement)
@@ -247,15 +249,16 @@ async def _run_async(executor: AsyncExecutor, intents: Sequence[Intent]) -> list
     """``_run`` on an async connection; a cancelled call rolls back to its savepoint."""
     statements = _statements(intents)
     steps = _insert(statements)
-    async with executor.savepoint() if _needs_savepoint(statements) else nullcontext():
-        statement = next(steps)
-        while True:
-            rows = await executor.fetchall(*statement)
-            try:
-                statement = steps.send(rows)
-            except StopIteration as done:
-                ids: list[uuid.UUID] = done.value
-                return ids
+    with _alone_on(executor.driver):
+        async with executor.savepoint() if _needs_savepoint(statements) else nullcontext():
+            statement = next(steps)
+            while True:
+                rows = await executor.fetchall(*statement)
+                try:
+                    statement = steps.send(rows)
+                except StopIteration as done:
+                    ids: list[uuid.UUID] = done.value
+                    return ids
 
 
 def _size(intent: Intent) -> int:

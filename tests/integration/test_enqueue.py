@@ -387,6 +387,7 @@ def test_a_key_whose_message_is_purged_mid_call_raises_a_race_and_writes_nothing
     class PurgeAfterInsert:
         def __init__(self, conn: object) -> None:
             self.inner = executor_for(conn)
+            self.driver = self.inner.driver
             self.statements = 0
 
         def fetchall(self, sql: str, params: Any) -> Any:

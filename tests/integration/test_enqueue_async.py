@@ -11,6 +11,7 @@ import asyncio
 import functools
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import (
@@ -420,6 +421,7 @@ def test_a_second_enqueue_on_a_connection_in_use_is_refused(
 
     async def test() -> list[uuid.UUID]:
         async with opener(database_url) as conn:
+            await _scalar(conn, "SELECT 1")  # the business write's statement, say
             first, second = await asyncio.gather(
                 outbox.aio.enqueue_many(conn, many),  # in a savepoint: two statements
                 outbox.aio.enqueue(conn, "t", b"second"),
@@ -434,6 +436,65 @@ def test_a_second_enqueue_on_a_connection_in_use_is_refused(
 
     ids = asyncio.run(test())
     assert [row[0] for row in _committed(database_url)] == ids
+
+
+def test_one_scoped_session_in_many_tasks_or_threads_is_many_connections(
+    database_url: str,
+) -> None:
+    """A scoped_session is one object that gives each thread (an async_scoped_session: each
+    task) a session and connection of its own: enqueues through it at once are not on one
+    connection, and none is refused. Two objects over one connection are: an AsyncSession
+    and the AsyncConnection it gives."""
+    engine = sa.create_engine(_sa_url(database_url), poolclass=sa.NullPool)
+    scoped = scoped_session(sessionmaker(engine))
+    together = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def in_a_thread(n: int) -> None:
+        try:
+            together.wait(timeout=10)
+            outbox.enqueue_many(scoped, [outbox.Message("t", b"%d" % n)] * 2)
+            scoped.commit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+        finally:
+            scoped.remove()
+
+    threads = [threading.Thread(target=in_a_thread, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    engine.dispose()
+    assert errors == []
+    assert len(_committed(database_url)) == 8
+
+    async def test() -> BaseException | None:
+        aengine = create_async_engine(_sa_url(database_url), poolclass=sa.NullPool)
+        ascoped = async_scoped_session(async_sessionmaker(aengine), scopefunc=asyncio.current_task)
+
+        async def in_a_task(n: int) -> None:
+            await outbox.aio.enqueue_many(ascoped, [outbox.Message("t", b"%d" % n)] * 2)
+            await ascoped.commit()
+            await ascoped.remove()
+
+        try:
+            await asyncio.gather(*(in_a_task(n) for n in range(4)))
+            async with AsyncSession(aengine) as session:
+                many = [outbox.Message("t", b"x")] * (MAX_ROWS_PER_STATEMENT + 1)
+                _, second = await asyncio.gather(
+                    outbox.aio.enqueue_many(session, many),
+                    outbox.aio.enqueue(await session.connection(), "t", b"y"),
+                    return_exceptions=True,
+                )
+                await session.rollback()
+                return second if isinstance(second, BaseException) else None
+        finally:
+            await aengine.dispose()
+
+    refused = asyncio.run(test())
+    assert isinstance(refused, outbox.ConnectionInUse), refused
+    assert len(_committed(database_url)) == 16
 
 
 #: The synchronous connection types, and the settings of a caller's psycopg
