@@ -1621,8 +1621,15 @@ WITH chosen AS MATERIALIZED (
      WHERE %(state)s = 'in_flight' AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
      ORDER BY m.seq LIMIT %(limit)s)
     UNION ALL
+    -- (A branch a state, each naming its state: a generic plan, which a
+    -- prepared statement may come to, matches a partial index only so.)
     (SELECT m.id FROM outbox.messages AS m
-     WHERE %(state)s IN ('uncertain', 'quarantined') AND m.state = %(state)s::text
+     WHERE %(state)s = 'uncertain' AND m.state = 'uncertain'
+       AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
+     ORDER BY m.seq LIMIT %(limit)s)
+    UNION ALL
+    (SELECT m.id FROM outbox.messages AS m
+     WHERE %(state)s = 'quarantined' AND m.state = 'quarantined'
        AND (%(topic)s::text IS NULL OR m.topic = %(topic)s::text)
      ORDER BY m.seq LIMIT %(limit)s)
     UNION ALL
