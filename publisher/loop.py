@@ -374,10 +374,6 @@ class Publisher:
         self._failure_class.clear()
         batch = self._take_claim()
         if batch is None:
-            # Nothing to write now: writes that failed before are not failing
-            # (/readyz). Stepped back, it claims nothing for want of lanes.
-            if self.heartbeat is None or not self.heartbeat.stepped_back:
-                self.health.writes_wanted = False
             return 0
         self.health.writes_wanted = True
         self._hold(batch)
@@ -1199,9 +1195,12 @@ class Publisher:
         # Exiting also waits for held messages whose stuck message moved on (their mark
         # goes at the next hold pass); a publisher that keeps running finds them then.
         if not self.store.work_left(stale_holds=self.config.exit_when_idle):
+            self._nothing_to_write()
             return None if self.config.exit_when_idle else self.config.poll_interval
         seconds = self.store.seconds_until_due()
-        if seconds is not None and seconds > 0:
+        if seconds is None:
+            self._nothing_to_write()
+        elif seconds > 0:
             return min(seconds, self.config.poll_interval)
         # Something is due that only recovery or reconciliation can move (or a
         # pending message another publisher holds the lock of): come back when
@@ -1211,6 +1210,13 @@ class Publisher:
             self._next_reconcile if self.reconciler is not None else self._next_recovery,
         )
         return min(max(next_pass - self._clock(), 0.01), self.config.poll_interval)
+
+    def _nothing_to_write(self) -> None:
+        """Nothing will need this publisher (``seconds_until_due``): writes that failed
+        before are not failing now (/readyz). A message waiting out its backoff after a
+        failed write still wants one. Stepped back, it finds nothing for want of lanes."""
+        if self.heartbeat is None or not self.heartbeat.stepped_back:
+            self.health.writes_wanted = False
 
     def _progress(self) -> None:
         self._progress_at = self._clock()

@@ -1293,17 +1293,24 @@ def test_a_committed_transaction_whose_settle_failed_for_a_lease_leaves_its_sess
     ]
 
 
-def test_a_claim_that_finds_nothing_says_there_is_nothing_to_write() -> None:
+def test_nothing_to_write_is_said_only_when_nothing_will_need_the_publisher() -> None:
     """/readyz reports failing writes only while there is something to write: a claim that
-    finds nothing says so, one that finds a batch says there is again."""
+    finds a batch says there is; an idle turn says there is not only once nothing will
+    need the publisher (a message waiting out its backoff after a failed write still
+    wants a write)."""
     events: list[str] = []
-    store = FakeStore(events, [None, _batch(_message())])
+    store = FakeStore(events, [_batch(_message())])
     publisher = _publisher(store, FakeSink(events))
-    assert publisher.health.writes_wanted
+    publisher.health.writes_wanted = False
     publisher.run_once()
+    assert publisher.health.writes_wanted
+    store.work, store.next_due = True, 30.0  # waiting out a backoff
+    assert publisher.run_once() == 0
+    publisher._idle_wait()
+    assert publisher.health.writes_wanted
+    store.next_due = None
+    publisher._idle_wait()
     assert not publisher.health.writes_wanted
-    publisher.run_once()
-    assert publisher.health.writes_wanted
 
 
 def test_a_transactional_batch_recovered_while_sent_leaves_its_session() -> None:
