@@ -1686,7 +1686,9 @@ SELECT
      WHERE b.claimed_at < now() - %(evidence)s::interval
        AND b.settled_at IS NOT NULL
        AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
-                       WHERE m.batch_id = b.id AND m.state = 'uncertain'))
+                       WHERE m.batch_id = b.id AND m.state = 'uncertain')
+       AND b.id NOT IN (SELECT q.batch_id FROM outbox.messages AS q
+                        WHERE q.state = 'quarantined' AND q.batch_id IS NOT NULL))
 
 -- name: purge_delivered
 -- One bounded step of retention. Looks at up to `limit` messages after
@@ -1771,8 +1773,12 @@ SELECT (SELECT message_id FROM last), (SELECT id FROM last), (SELECT count(*) FR
 -- name: purge_batches
 -- One bounded step: closed batches claimed before the cutoff, except those
 -- an uncertain message still needs for reconciliation (an open batch is in
--- flight: recovery needs it). Each batch's uncertain messages are looked up
--- by its id, whatever the statistics say (OFFSET 0: see purge_delivered).
+-- flight: recovery needs it), and those a quarantined message names: they
+-- say what was sent with it, which an operator's retry reads (overtaken_by:
+-- a later message of its key written in that batch). Each batch's uncertain
+-- messages are looked up by its id, whatever the statistics say (OFFSET 0:
+-- see purge_delivered); the quarantined messages' batches are read once a
+-- step, through their partial index.
 -- Batch ids grow with their claim time, so the walk ends (NULL) at the first
 -- batch claimed after the cutoff.
 WITH scanned AS (
@@ -1790,6 +1796,8 @@ deleted AS (
       AND NOT EXISTS (SELECT 1 FROM outbox.messages AS m
                       WHERE m.batch_id = b.id AND m.state = 'uncertain'
                       OFFSET 0)
+      AND b.id NOT IN (SELECT q.batch_id FROM outbox.messages AS q
+                       WHERE q.state = 'quarantined' AND q.batch_id IS NOT NULL)
     RETURNING 1
 )
 SELECT CASE WHEN bool_and(s.old) THEN max(s.id) END, 0, (SELECT count(*) FROM deleted)

@@ -12,7 +12,8 @@
   messages were enqueued longer ago than ``evidence_older_than``; the
   evidence of a message that still exists is never deleted;
 * batches claimed longer ago than ``evidence_older_than``, except those an
-  in-flight or uncertain message still needs.
+  in-flight or uncertain message still needs, and those a quarantined message
+  names (what was sent with it: an operator's retry checks it).
 
 Each step deletes at most ``batch_size`` rows in its own short transaction,
 walking the primary keys (message ids are UUIDv7, so id order is enqueue
