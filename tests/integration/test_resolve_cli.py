@@ -751,22 +751,31 @@ def test_discarding_an_uncertain_message_before_the_write_deadline_is_refused_un
     _assert_forced(database_url, message_id, fence, "discarded")
 
 
+def _refused_while_unfenced(
+    database_url: str, resolution: str
+) -> tuple[uuid.UUID, tuple[str, ...], subprocess.CompletedProcess[str]]:
+    """An uncertain message sent in a Kafka transaction whose session is not fenced yet, and
+    ``outbox resolve ID <resolution>`` refused on it (exit 2, naming the session): the
+    message, the command's arguments, and its result."""
+    message_id = _enqueue(database_url)
+    session = f"outbox-test-session-{uuid.uuid4().hex[:6]}"
+    make_uncertain_in_transaction(database_url, session)
+    fence = _fence(database_url, message_id)
+    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
+    args = ("resolve", str(message_id), resolution, "--fence", fence, "--reason", "checked")
+    refused = _outbox(*args, url=database_url)
+    _assert_refused(refused, database_url, before)
+    assert f"producer session {session}, which has not been fenced" in refused.stderr
+    return message_id, args, refused
+
+
 def test_resolve_pending_of_an_unfenced_transaction_names_the_reconciler(
     database_url: str,
 ) -> None:
     """--pending on a message sent in a Kafka transaction whose session is not fenced yet exits
     2 and says outbox-publisher reconcile fences and decides it; once the reconciler fenced the
     session (and escalated the message), --pending applies."""
-    message_id = _enqueue(database_url)
-    make_uncertain_in_transaction(database_url, "outbox-test-session-1")
-    fence = _fence(database_url, message_id)
-    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
-    args = ("resolve", str(message_id), "--pending", "--fence", fence, "--reason", "absent")
-
-    refused = _outbox(*args, url=database_url)
-
-    _assert_refused(refused, database_url, before)
-    assert "producer session outbox-test-session-1, which has not been fenced" in refused.stderr
+    message_id, args, refused = _refused_while_unfenced(database_url, "--pending")
     assert "`outbox-publisher reconcile`: it fences the session" in refused.stderr
 
     # What the reconciler leaves after fencing the session, when the evidence is gone.
@@ -835,16 +844,7 @@ def test_resolve_delivered_of_an_unfenced_transaction_is_refused_unless_forced(
     """A record read in a transaction that is not committed may yet be aborted: --delivered
     of a message whose session is unfenced is refused (exit 2, naming the reconciler);
     --force-before-deadline decides it, recorded as forced."""
-    message_id = _enqueue(database_url)
-    make_uncertain_in_transaction(database_url, "outbox-test-session-2")
-    fence = _fence(database_url, message_id)
-    before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
-    args = ("resolve", str(message_id), "--delivered", "--fence", fence, "--reason", "seen")
-
-    refused = _outbox(*args, url=database_url)
-
-    _assert_refused(refused, database_url, before)
-    assert "producer session outbox-test-session-2, which has not been fenced" in refused.stderr
+    message_id, args, refused = _refused_while_unfenced(database_url, "--delivered")
     assert "may yet be aborted with that transaction" in refused.stderr
     forced = _outbox(*args, "--force-before-deadline", url=database_url)
     assert forced.returncode == 0, forced.stderr
