@@ -406,11 +406,16 @@ def _decide(
         # savepoint) back: a lock taken by resolve_lock is released with it.
         with conn.cursor(row_factory=class_row(_Seen)) as cur:
             seen = cur.execute(query("decision_check"), {"id": message_id}).fetchone()
-        later = overtaken_by(conn, [message_id]).get(message_id, [])
-        refusal = _refusal(decision, seen, later if to_state is State.PENDING else [])
+        # Only a decision that sends it again can put it after later ones.
+        later = (
+            overtaken_by(conn, [message_id]).get(message_id, [])
+            if to_state is State.PENDING
+            else []
+        )
+        refusal = _refusal(decision, seen, later)
         if refusal is not None:
             raise refusal
-        if later and to_state is State.PENDING:
+        if later:
             # Let through by out_of_order: the decision says after which.
             after = [str(o.later_id) for o in later if o.later_id is not None]
             evidence["sent_after"] = after[:10]
