@@ -35,17 +35,17 @@ from __future__ import annotations
 import getpass
 import socket
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
 import psycopg
-from psycopg.rows import class_row, tuple_row
+from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
-from outbox.connection import Params, Rows, search_path_pinned
+from outbox.connection import PsycopgExecutor, search_path_pinned
 from outbox.errors import OutboxError
 from outbox.holds import release_held_of
 from outbox.queries import query
@@ -294,7 +294,7 @@ def retry_quarantined(
     messages of their key may have overtaken in Kafka (``Retried.overtaken``)."""
     if not reason.strip():
         raise ValueError("a decision needs a reason (--reason)")
-    with conn.transaction(), search_path_pinned(_fetchall(conn)):
+    with conn.transaction(), search_path_pinned(PsycopgExecutor(conn).fetchall):
         ids = [row[0] for row in conn.execute(query("quarantined_ids"), {"topic": topic})]
         overtaken = overtaken_by(conn, ids)
         rows = conn.execute(
@@ -421,7 +421,7 @@ def _decide(
             evidence["sent_after"] = after[:10]
             evidence["sent_after_count"] = len(after)
 
-    with conn.transaction(), search_path_pinned(_fetchall(conn)):
+    with conn.transaction(), search_path_pinned(PsycopgExecutor(conn).fetchall):
         _require_read_committed(conn)
         # Checked first without a lock: a refused decision never holds one.
         refuse_unless_allowed()
@@ -450,16 +450,6 @@ def _decide(
         # What waited behind it goes on with it (see outbox.holds).
         release_held_of(conn, [message_id])
     return State(row[0])
-
-
-def _fetchall(conn: psycopg.Connection[Any]) -> Callable[[str, Params], Rows]:
-    """``conn``'s statements, as ``search_path_pinned`` runs them."""
-
-    def fetchall(sql: str, params: Params) -> Rows:
-        with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
-            return cur.execute(sql, params).fetchall()
-
-    return fetchall
 
 
 def _require_read_committed(conn: psycopg.Connection[Any]) -> None:

@@ -226,9 +226,10 @@ class Health:
         #: How long writes to Kafka may fail before the publisher is not ready
         #: (``writes_failing``); ``None``: however long.
         self.lease_seconds = lease_seconds
-        #: Whether the publisher has something to write: its last claim found a batch
-        #: (or it stepped back, and claims nothing for want of lanes). An idle one's
-        #: writes are not failing, however long ago the last one failed.
+        #: Whether the publisher has something to write: set when a claim finds a batch,
+        #: cleared once nothing will need it (not while it has stepped back, and claims
+        #: nothing for want of lanes). An idle one's writes are not failing, however
+        #: long ago the last one failed.
         self.writes_wanted = True
         self._clock = clock
         self._wall = wall

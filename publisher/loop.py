@@ -619,14 +619,10 @@ class Publisher:
         ):
             # What it carried is settled not written and sent again: never in
             # this session, which a late request of the aborted one could join.
-            log.warning(
-                "batch %s: leaving producer session %s: a record's request went "
-                "unanswered in the transaction it aborted, and could still arrive",
-                ids,
-                self.sink.transactional_id,
-                extra={"batch_id": batches[0].id},
+            self._leave_session(
+                f"batch {ids}: a record's request went unanswered in the transaction it "
+                "aborted, and could still arrive"
             )
-            self.sink.discard_producer()
         if end is TransactionEnd.FENCED:
             lost = sum(len(b.messages) for b in batches)
             self.totals.stale += lost
@@ -673,7 +669,8 @@ class Publisher:
 
     def _leave_session(self, why: str = "batches marked under it were left open") -> None:
         """Discard the producer session after an error left batches marked under it open
-        (or recovery took one while it was sent).
+        (or recovery took one while it was sent, or an aborted transaction left a request
+        that could still arrive).
 
         Recovery takes those batches once their leases expire, and the
         reconciler fences the transactional.id their marks recorded before it

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -116,6 +116,19 @@ def _delivered(database_url: str) -> uuid.UUID:
     assert store.settle(batch, [confirmed]) == {message_id}
     store.close()
     return message_id
+
+
+def _uncertain_until(database_url: str, seconds: float) -> tuple[uuid.UUID, datetime]:
+    """An uncertain message whose write deadline is ``seconds`` away, and that deadline."""
+    message_id = _enqueue(database_url)
+    make_uncertain(database_url, write_deadline_seconds=seconds)
+    [(deadline,)] = fetch_rows(
+        database_url,
+        "SELECT b.write_deadline FROM outbox.messages AS m "
+        "JOIN outbox.batches AS b ON b.id = m.batch_id WHERE m.id = %s",
+        message_id,
+    )
+    return message_id, deadline
 
 
 def _uncertain(database_url: str) -> uuid.UUID:
@@ -674,13 +687,7 @@ def test_resolve_pending_before_the_write_deadline_is_refused_unless_forced(
 ) -> None:
     """--pending on an uncertain message whose producer may still write it exits 2 and names
     the deadline; --force-before-deadline decides anyway and records that it was forced."""
-    message_id = _enqueue(database_url)
-    make_uncertain(database_url, write_deadline_seconds=600)
-    [(deadline,)] = fetch_rows(
-        database_url,
-        "SELECT b.write_deadline FROM outbox.messages AS m "
-        "JOIN outbox.batches AS b ON b.id = m.batch_id",
-    )
+    message_id, deadline = _uncertain_until(database_url, 600)
     fence = _fence(database_url, message_id)
     before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
 
@@ -814,13 +821,7 @@ def test_resolve_pending_waits_the_absence_grace_after_the_write_deadline(
     """Just after the write deadline a record written by then may not be readable yet (its
     in-sync followers have not all copied it): not finding it proves nothing, so --pending
     is refused until the absence grace has passed too, naming when; --discard is not."""
-    message_id = _enqueue(database_url)
-    make_uncertain(database_url, write_deadline_seconds=-1.0)
-    [(deadline,)] = fetch_rows(
-        database_url,
-        "SELECT b.write_deadline FROM outbox.messages AS m "
-        "JOIN outbox.batches AS b ON b.id = m.batch_id",
-    )
+    message_id, deadline = _uncertain_until(database_url, -1.0)
     fence = _fence(database_url, message_id)
     before = fetch_rows(database_url, "SELECT * FROM outbox.messages ORDER BY seq")
 
